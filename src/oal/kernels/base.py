@@ -1,0 +1,104 @@
+"""The interface every attention kernel of this package implements (OAL, the global quadratic, the F.1
+baselines and exact softmax), so that calibration (Eq. 20), fidelity, conversion and generation treat them alike.
+
+Shapes throughout: q ``(B, Hq, N, d)`` post-RoPE, k ``(B, Hkv, N, d)``, v ``(B, Hkv, N, dv)``; query head h
+reads KV head ``h // (Hq // Hkv)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def check_positions(positions: torch.Tensor, n: int) -> torch.Tensor:
+    """positions: ``(P,)`` integer query positions in ``[0, n)``."""
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.is_floating_point():
+        got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
+        raise ValueError(f"positions: expected a 1-D integer tensor, got {got}")
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= n):
+        raise ValueError(
+            f"positions: expected values in [0, {n}), got [{int(positions.min())}, {int(positions.max())}]"
+        )
+    return positions.long()
+
+
+def repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``(B, Hkv, N, ·)`` -> ``(B, Hq, N, ·)`` following the GQA mapping (no copy when Hq == Hkv)."""
+    B, Hkv, N, D = x.shape
+    if num_heads == Hkv:
+        return x
+    return x[:, :, None].expand(B, Hkv, num_heads // Hkv, N, D).reshape(B, num_heads, N, D)
+
+
+class AttentionKernel(nn.Module):
+    """Causal normalised kernel attention for the query heads of one layer.
+
+    Subclasses set ``name`` and implement :meth:`weights` (the unnormalised causal kernel for a set of query
+    positions, used by calibration and by the naive path) and :meth:`forward` (the linear-time evaluation).
+    """
+
+    name: str = "kernel"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def weights(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Unnormalised kernel values ``(B, Hq, P, N)`` between the queries at ``positions`` and all keys;
+        entries with key index > query position are zero."""
+        raise NotImplementedError
+
+    def at_positions(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Outputs ``(B, Hq, P, dv)`` at the given query positions, each over its causal prefix, in
+        O(P·N): what the Eq. 20 objective needs for its 32 sampled positions. Differentiable."""
+        positions = check_positions(positions, q.shape[2])
+        w = self.weights(q, k, positions)
+        vv = repeat_kv(v.to(w.dtype), self.num_heads)
+        return ((w @ vv) / w.sum(-1, keepdim=True)).to(q.dtype)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mode: str = "chunk",
+        initial_state: object | None = None,
+        output_final_state: bool = False,
+    ) -> tuple[torch.Tensor, object | None]:
+        """Outputs ``(B, Hq, N, dv)`` for every position, and the recurrent state if asked."""
+        raise NotImplementedError
+
+    def causal_mask(self, positions: torch.Tensor, n: int) -> torch.Tensor:
+        """``(P, N)`` boolean mask, True where key j ≤ query position."""
+        return torch.arange(n, device=positions.device)[None, :] <= positions[:, None]
+
+
+class SoftmaxKernel(AttentionKernel):
+    """Exact softmax attention, the reference every approximation is measured against."""
+
+    name = "softmax"
+
+    def weights(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        positions = check_positions(positions, q.shape[2])
+        qs = q[:, :, positions].float()
+        kk = repeat_kv(k.float(), self.num_heads)
+        logits = (qs @ kk.mT) * self.scale
+        logits = logits.masked_fill(~self.causal_mask(positions, k.shape[2]), float("-inf"))
+        return torch.exp(logits - logits.amax(-1, keepdim=True))
+
+    def forward(self, q, k, v, *, mode="chunk", initial_state=None, output_final_state=False):
+        if initial_state is not None or output_final_state:
+            raise ValueError("initial_state: exact softmax keeps a KV cache, not a recurrent state")
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        return o, None

@@ -1,0 +1,72 @@
+"""Token-by-token evaluation of the quadratic kernel from the HD state: Algorithm 1, lines 6–11.
+
+Per token: ``u_i = [v_i; 1]``, ``S ← S + φ_k(k_i) u_iᵀ`` (the packed H0, H1, H2 updates of Eq. 5), then the
+readout ``num = φ_q(q_i) S`` of Eq. 6 and ``ŷ_i = num[:dv] / num[dv]``. This is the decoding path: its memory is
+one ``(D, dv+1)`` state per KV head whatever the context length, and a state handed over from
+``chunk_quadratic_attention(..., output_final_state=True)`` continues a prefill exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .utils import (
+    check_coefficients,
+    check_floor,
+    check_qkv,
+    check_state,
+    compute_dtype,
+    default_scale,
+    feature_dim,
+    key_features,
+    query_features,
+    query_weights,
+)
+
+
+def recurrent_quadratic_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    kernel_floor: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Recurrent causal quadratic-kernel attention; see :func:`oal.ops.quadratic_attention` for the arguments.
+
+    q ``(B, Hq, T, d)`` for T ≥ 1 new tokens, k/v their keys and values, ``initial_state`` the packed state
+    ``(B, Hkv, D, dv+1)`` of everything before them. Returns ``o (B, Hq, T, dv)`` and optionally the new state.
+    """
+    dims = check_qkv(q, k, v)
+    check_coefficients(a, b, C, dims)
+    if initial_state is not None:
+        check_state(initial_state, dims)
+    check_floor(kernel_floor)
+    s = default_scale(dims.d, scale)
+    B, Hq, Hkv, T, d, dv = dims
+    G = dims.group
+    cdt = compute_dtype(q.dtype)
+    wq = query_weights(a.to(cdt), b.to(cdt), C.to(cdt), s)
+    if initial_state is None:
+        state = torch.zeros(B, Hkv, feature_dim(d), dv + 1, dtype=cdt, device=q.device)
+    else:
+        state = initial_state.to(cdt)
+    outs = []
+    for t in range(T):
+        kt = k[:, :, t].to(cdt)
+        vt = v[:, :, t].to(cdt)
+        ut = torch.cat([vt, torch.ones_like(vt[..., :1])], dim=-1)
+        state = state + key_features(kt)[..., :, None] * ut[..., None, :]
+        fq = query_features(q[:, :, t : t + 1].to(cdt), wq).view(B, Hkv, G, -1)
+        num = fq @ state
+        den = num[..., dv:]
+        if kernel_floor is not None:
+            den = torch.maximum(den, kernel_floor * state[:, :, None, 0, dv:])
+        outs.append((num[..., :dv] / den).reshape(B, Hq, dv))
+    o = torch.stack(outs, dim=2).to(q.dtype)
+    return o, (state if output_final_state else None)
