@@ -1,0 +1,24 @@
+"""The ``oal`` command line. Each command lives beside the code it drives and registers itself here."""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+from rich.logging import RichHandler
+
+app = typer.Typer(
+    name="oal",
+    help="Outlier-Aware Attention Linearization: analyse, group, calibrate, convert and benchmark.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
+
+
+@app.callback()
+def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages.")) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(show_path=False, rich_tracebacks=False)],
+    )

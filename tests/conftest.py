@@ -1,0 +1,32 @@
+"""Shared fixtures. Data comes from ``$OAL_DATA_DIR`` or ``<repo>/../shared/data`` and is never copied into the repo."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_data_dir() -> Path | None:
+    env = os.environ.get("OAL_DATA_DIR")
+    for cand in ([Path(env)] if env else []) + [REPO.parent / "shared" / "data"]:
+        if (cand / "wikitext-2-raw" / "wiki.test.raw").is_file():
+            return cand
+    return None
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    d = shared_data_dir()
+    if d is None:
+        pytest.skip("shared data not found: set OAL_DATA_DIR or place it at ../shared/data")
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
