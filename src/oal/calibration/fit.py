@@ -43,7 +43,7 @@ def unit_clip_coef(grads: list[torch.Tensor], lead: list[int], max_norm: float) 
     """Per-unit factor ``min(1, max_norm / (‖g_unit‖ + 1e-6))`` over all unit-indexed gradients (those with
     ``lead > 0``, sharing their leading unit dimensions), as ``clip_grad_norm_`` computes it for one unit."""
     sq = None
-    for g, nl in zip(grads, lead):
+    for g, nl in zip(grads, lead, strict=True):
         if nl and g is not None:
             g2 = g.double().square().flatten(nl).sum(-1)
             sq = g2 if sq is None else sq + g2
@@ -55,7 +55,7 @@ def clip_per_unit(grads: list[torch.Tensor], lead: list[int], max_norm: float) -
     coef = unit_clip_coef(grads, lead, max_norm)
     if coef is None:
         return
-    for g, nl in zip(grads, lead):
+    for g, nl in zip(grads, lead, strict=True):
         if nl and g is not None:
             g.mul_(coef.to(g.dtype).view(*coef.shape, *([1] * (g.dim() - nl))))
 
@@ -87,7 +87,7 @@ def autograd_step(
     """An update for leaf ``params``: backward of ``train_loss(u).sum()``, per-unit clipping of unit-indexed
     gradients and joint clipping of shared ones, then ``torch.optim.Adam``."""
     opt = torch.optim.Adam(params, lr=config.lr)
-    shared = [p for p, nl in zip(params, lead) if nl == 0]
+    shared = [p for p, nl in zip(params, lead, strict=True) if nl == 0]
 
     def step(u: int) -> None:
         opt.zero_grad(set_to_none=True)
@@ -150,7 +150,7 @@ def optimise(
         val = criterion(u)
         improved = (val < best_val) & ~done
         with torch.no_grad():
-            for b, p, nl in zip(best, params, lead):
+            for b, p, nl in zip(best, params, lead, strict=True):
                 b.copy_(torch.where(mask_for(improved, p, nl), p, b))
         best_val = torch.where(improved, val, best_val)
         best_update = torch.where(improved, u, best_update)

@@ -339,7 +339,7 @@ def _fit_kernel(
         params, lead, step, lambda: targets.val_mse(kernel), config, per_layer=per_layer, progress=progress
     )
     with torch.no_grad():
-        for p, b in zip(params, outcome.best):
+        for p, b in zip(params, outcome.best, strict=True):
             p.copy_(b)
     if per_layer:  # report per head at the layer-level checkpoint
         best_u = int(outcome.best_update.reshape(-1)[0])

@@ -53,7 +53,7 @@ def make_schedule(
 ) -> Schedule:
     """Draw pools, validation positions and the per-update (sequence, positions) schedule, in that order."""
     P = config.positions_per_update
-    if P > n:
+    if n < P:
         raise ValueError(f"positions_per_update: expected ≤ the training sequence length {n}, got {P}")
     pools = tuple(_subset(n, config.train_pool, gen) for _ in range(num_train))
     val_positions = tuple(_subset(val_n, config.val_positions, gen) for _ in range(num_val))
