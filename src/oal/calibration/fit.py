@@ -45,7 +45,7 @@ def unit_clip_coef(grads: list[torch.Tensor], lead: list[int], max_norm: float) 
     sq = None
     for g, nl in zip(grads, lead, strict=True):
         if nl and g is not None:
-            g2 = g.double().square().flatten(nl).sum(-1)
+            g2 = g.double().square().reshape(*g.shape[:nl], -1).sum(-1)
             sq = g2 if sq is None else sq + g2
     return None if sq is None else (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
 

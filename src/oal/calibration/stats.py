@@ -30,7 +30,7 @@ from ..kernels import check_groups
 
 class OutputStats(NamedTuple):
     """Statistics of P query positions, head-major: ``R (Hq, P, n, n)`` and ``f (Hq, P, n)`` in fp64, and the
-    target outputs ``y (Hq, P, dv)`` in fp32."""
+    target outputs ``y (Hq, P, dv)`` in the inputs' dtype."""
 
     R: torch.Tensor
     f: torch.Tensor
@@ -127,9 +127,10 @@ def grouped_output_stats(
 ) -> OutputStats:
     """Statistics for the query positions ``positions (P,)`` of one sequence.
 
-    q ``(Hq, N, d)``, k ``(Hkv, N, d)``, v ``(Hkv, N, dv)`` (fp32), groups ``(Hq, d)`` with ids in
-    ``[0, num_groups)``. ``target (Hq, P, dv)``: the outputs to match at those positions; ``None`` computes
-    the exact causal softmax output (with ``scale``) in the same pass, from the summed group scores.
+    q ``(Hq, N, d)``, k ``(Hkv, N, d)``, v ``(Hkv, N, dv)`` (fp32, or fp64 for reference checks), groups
+    ``(Hq, d)`` with ids in ``[0, num_groups)``. ``target (Hq, P, dv)``: the outputs to match at those
+    positions; ``None`` computes the exact causal softmax output (with ``scale``) in the same pass, from the
+    summed group scores.
 
     Positions are processed in sorted blocks whose key range stops at the block's last position; a block
     holds about ``block_bytes`` of pair products.
@@ -155,7 +156,7 @@ def grouped_output_stats(
     u = torch.cat([v, v.new_ones(Hkv, N, 1)], dim=-1)
     R = torch.empty(Hq, P, n, n, dtype=torch.float64)
     f = torch.empty(Hq, P, n, dtype=torch.float64)
-    y_out = torch.empty(Hq, P, dv, dtype=torch.float32)
+    y_out = q.new_empty(Hq, P, dv)
     quad = G * (G + 1) // 2
     per_position = Hq * (rows + quad) * (int(pos_sorted[-1]) + 1 if P else 1) * 4
     block = max(1, block_bytes // per_position)
@@ -180,7 +181,7 @@ def grouped_output_stats(
             logit[:, :, lo:].masked_fill_(~tail[:, :, 0], float("-inf"))
             logit.sub_(logit.amax(-1, keepdim=True)).exp_()
         lin = (s.view(Hkv, rep * nb * rows, nk) @ u[:, :nk]).view(Hq, nb, rows, dv + 1)
-        prod = torch.empty(Hq, nb, quad, nk)  # products s_a s_b, 1 ≤ a ≤ b ≤ G, row-major
+        prod = q.new_empty(Hq, nb, quad, nk)  # products s_a s_b, 1 ≤ a ≤ b ≤ G, row-major
         off = 0
         for a in range(1, G + 1):
             torch.mul(s[:, :, a : a + 1], s[:, :, a : G + 1], out=prod[:, :, off : off + G + 1 - a])
