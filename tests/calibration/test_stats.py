@@ -104,6 +104,28 @@ def test_stats_fp64_exact():
     torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-16)
 
 
+def test_stats_group_layouts():
+    """Bulk group not first, unused groups, singleton groups only, and a GQA group mixing them (fp64)."""
+    d, G, dv, N = 6, 3, 3, 21
+    groups = torch.tensor(
+        [
+            [2, 2, 0, 2, 2, 1],  # bulk is group 2
+            [1, 1, 1, 1, 1, 1],  # a single group used, groups 0 and 2 empty
+            [0, 1, 2, 0, 1, 2],  # no dominant group (tie → lowest id)
+            [2, 0, 1, 1, 1, 1],
+        ]
+    )
+    q, k, v = _data(4, 2, N, d, dv, dtype=torch.float64)
+    L = torch.randn(4, G + 1, G + 1, dtype=torch.float64).tril()
+    M = L @ L.mT
+    positions = torch.tensor([20, 3, 11])
+    st = grouped_output_stats(q[0], k[0], v[0], groups, G, positions, scale=0.4)
+    oal, soft = _naive_outputs(q[0], k[0], v[0], groups, G, M, 1e-6, positions, 0.4)
+    ref = (oal - soft).square().mean((-2, -1))
+    mine = stats_mse(pair_weights(M, 1e-6)[None], st.R, st.f, dv)[0]
+    torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-16)
+
+
 @pytest.mark.parametrize("G", [1, 2, 4])
 def test_factor_mse_gradient_matches_autograd(G):
     I, Hq, P, dv = 2, 3, 5, 7

@@ -67,7 +67,8 @@ class LayerResult:
     initialisation's best checkpoint; ``init_val_mse``: of each initialisation before training;
     ``best_update``: update count of each best checkpoint (0 = the initialisation); ``updates``: updates
     run before early stopping. ``global_stage``: for OAL, the calibration of the learned global quadratic
-    that provided its initialisations. ``meta``: what is needed to rebuild the kernel.
+    that provided its initialisations. ``meta``: what is needed to rebuild the kernel. ``timings``: wall
+    seconds by phase (targets or statistics, and each stage's optimisation).
     """
 
     kernel: str
@@ -82,6 +83,7 @@ class LayerResult:
     updates: torch.Tensor
     seconds: float
     meta: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
     global_stage: LayerResult | None = None
 
     def summary(self) -> dict[str, Any]:
@@ -109,6 +111,7 @@ class LayerResult:
             "selection": self.selection,
             "inits": list(self.inits),
             "seconds": self.seconds,
+            "timings": self.timings,
             "meta": self.meta,
             "heads": heads,
         }
@@ -163,7 +166,10 @@ class _GroupedStats:
         self.f = torch.empty(Hq, uniq.numel(), n, dtype=torch.float64)
         self.ready = 0  # training statistics exist for the items of updates < ready
         self.threads = torch.get_num_threads()
+        self.train_seconds = 0.0
+        t0 = time.perf_counter()
         vals = [self._stats(val, s, pos) for s, pos in enumerate(schedule.val_positions)]
+        self.val_seconds = time.perf_counter() - t0
         self.val_R = torch.cat([x.R for x in vals], dim=1)
         self.val_f = torch.cat([x.f for x in vals], dim=1)
         self.dv = train.v.shape[-1]
@@ -180,6 +186,7 @@ class _GroupedStats:
 
     def train_batch(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
         while u >= self.ready:
+            t0 = time.perf_counter()
             hi = min(self.ready + self.step, self.items.shape[0])
             new = ((self.first_update >= self.ready) & (self.first_update < hi)).nonzero().flatten()
             with _num_threads(self.threads):
@@ -188,6 +195,7 @@ class _GroupedStats:
                     st = self._stats(self.train, s, self.item_pos[sel])
                     self.R[:, sel], self.f[:, sel] = st.R, st.f
             self.ready = hi
+            self.train_seconds += time.perf_counter() - t0
         idx = self.items[u]
         return self.R.index_select(1, idx), self.f.index_select(1, idx)
 
@@ -430,10 +438,13 @@ def calibrate_layer(
     if isinstance(kernel, OALKernel):
         result = _calibrate_grouped(kernel, train, val, schedule, gen, config, target, stage_progress, block_bytes)
     else:
+        t0 = time.perf_counter()
         targets = _KernelTargets(
             train, val, schedule, target or SoftmaxKernel(kernel.num_heads, kernel.num_kv_heads, kernel.head_dim)
         )
+        t1 = time.perf_counter()
         outcome, per_layer, val_mse = _fit_kernel(kernel, targets, config, stage_progress(kernel.name))
+        timings = {"targets": t1 - t0, "fit": time.perf_counter() - t1}
         Hq = kernel.num_heads
         zeros = torch.zeros(1, Hq, dtype=torch.long)
         result = LayerResult(
@@ -448,6 +459,7 @@ def calibrate_layer(
             best_update=zeros if outcome is None else outcome.best_update,
             updates=zeros if outcome is None else outcome.updates,
             seconds=0.0,
+            timings=timings,
         )
     result.meta = {**meta, **result.meta}
     result.seconds = time.perf_counter() - start
@@ -467,11 +479,16 @@ def _calibrate_grouped(
 ) -> LayerResult:
     Hq, Hkv, d, G, eps = kernel.num_heads, kernel.num_kv_heads, kernel.head_dim, kernel.num_groups, kernel.eps
     is_global = isinstance(kernel, GlobalQuadraticKernel)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
     if config.fast_path:
         stats = _GroupedStats(train, val, kernel.groups, G, kernel.scale, schedule, config, target, block_bytes)
+        timings["val_stats"] = stats.val_seconds
         fit_global = fit_oal = lambda init, prog: _fit_factor_fast(stats, init, eps, config, prog)  # noqa: E731
     else:
+        stats = None
         targets = _KernelTargets(train, val, schedule, target or SoftmaxKernel(Hq, Hkv, d))
+        timings["targets"] = time.perf_counter() - t0
         fit_global = lambda init, prog: _fit_factor_generic(  # noqa: E731
             lambda L: GlobalQuadraticKernel(Hq, Hkv, d, eps=eps, L=L), init, targets, config, prog
         )
@@ -479,20 +496,33 @@ def _calibrate_grouped(
             lambda L: OALKernel(kernel.groups, Hkv, num_groups=G, eps=eps, L=L), init, targets, config, prog
         )
 
-    t0 = time.perf_counter()
-    g_stage = fit_global(_global_inits(config.global_inits, Hq, config.perturb_std, gen), stage_progress("global"))
+    def timed(name: str, fn, *args):
+        before = 0.0 if stats is None else stats.train_seconds
+        t = time.perf_counter()
+        out = fn(*args)
+        spent = 0.0 if stats is None else stats.train_seconds - before
+        timings[name] = time.perf_counter() - t - spent
+        if stats is not None:
+            timings["train_stats"] = stats.train_seconds
+        return out
+
+    init = _global_inits(config.global_inits, Hq, config.perturb_std, gen)
+    g_stage = timed("global_fit", fit_global, init, stage_progress("global"))
     g_chosen, L_global = g_stage.select()
     global_kernel = GlobalQuadraticKernel(Hq, Hkv, d, eps=eps, L=L_global)
     global_result = _result(global_kernel, config.global_inits, g_stage, g_chosen, time.perf_counter() - t0)
     global_result.meta = {"num_heads": Hq, "num_kv_heads": Hkv, "head_dim": d, "eps": eps}
     if is_global:
+        global_result.timings = timings
         return global_result
-    o_stage = fit_oal(_oal_inits(config.oal_inits, L_global, G, config.perturb_std, gen), stage_progress("oal"))
+    init = _oal_inits(config.oal_inits, L_global, G, config.perturb_std, gen)
+    o_stage = timed("oal_fit", fit_oal, init, stage_progress("oal"))
     o_chosen, L = o_stage.select()
     with torch.no_grad():
         kernel.L.copy_(L)
     result = _result(kernel, config.oal_inits, o_stage, o_chosen, 0.0)
     result.meta = {"eps": eps, "num_groups": G}
+    result.timings = timings
     result.global_stage = global_result
     return result
 

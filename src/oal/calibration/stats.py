@@ -113,6 +113,24 @@ def factor_mse(
     return mse, ((gM + gM.mT) @ Lt).tril()
 
 
+def _tail_dims(groups: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per head, the largest group ("bulk") and the other ("tail") dimensions, padded to a common count.
+
+    Returns ``bulk (Hq,)``, ``tail_idx (Hq, t)`` dimension indices and ``tail_onehot (Hq, G, t)`` (zero rows
+    for the bulk group and zero columns for padding)."""
+    Hq, d = groups.shape
+    counts = F.one_hot(groups, G).sum(1)  # (Hq, G)
+    bulk = counts.argmax(1)
+    is_tail = groups != bulk[:, None]
+    t = max(1, int(is_tail.sum(1).max()))
+    # stable sort puts each head's tail dimensions first, in index order
+    order = torch.sort((~is_tail).to(torch.int8), dim=1, stable=True).indices[:, :t]
+    valid = torch.gather(is_tail, 1, order)
+    gid = torch.gather(groups, 1, order)
+    onehot = (F.one_hot(gid, G).mT * valid[:, None, :]).contiguous()
+    return bulk, order, onehot
+
+
 def grouped_output_stats(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -129,11 +147,13 @@ def grouped_output_stats(
 
     q ``(Hq, N, d)``, k ``(Hkv, N, d)``, v ``(Hkv, N, dv)`` (fp32, or fp64 for reference checks), groups
     ``(Hq, d)`` with ids in ``[0, num_groups)``. ``target (Hq, P, dv)``: the outputs to match at those
-    positions; ``None`` computes the exact causal softmax output (with ``scale``) in the same pass, from the
-    summed group scores.
+    positions; ``None`` computes the exact causal softmax output (with ``scale``) in the same pass.
 
-    Positions are processed in sorted blocks whose key range stops at the block's last position; a block
-    holds about ``block_bytes`` of pair products.
+    Cost per position and head, over its causal prefix of i keys: the full score (d MACs per key), the
+    scores of the non-bulk groups (their dimensions only: the bulk group's score is the full score minus
+    the others, since groups partition the dimensions), and one (G+1 + G(G+1)/2 rows) × (dv+1) product;
+    the pair (0, 0) statistics are prefix sums. Positions are processed in sorted blocks whose key range
+    stops at the block's last position; a block holds about ``block_bytes`` of score rows.
     """
     Hq, N, d = q.shape
     Hkv, dv = k.shape[0], v.shape[-1]
@@ -142,8 +162,8 @@ def grouped_output_stats(
         raise ValueError(f"groups: expected shape {(Hq, d)}, got {tuple(groups.shape)}")
     G = num_groups
     n = (G + 1) * (G + 2) // 2
+    quad = G * (G + 1) // 2
     softmax = target is None
-    rows = G + 1 + softmax  # s̄ = [1, s_1..s_G] and, for a softmax target, the logit row
     rep = Hq // Hkv
     P = positions.numel()
     if target is not None and target.shape != (Hq, P, dv):
@@ -151,45 +171,48 @@ def grouped_output_stats(
 
     order = positions.argsort()
     pos_sorted = positions[order]
-    onehot = F.one_hot(groups.long(), G).mT.to(q.dtype) * scale  # (Hq, G, d)
-    kx = torch.cat([k, k.new_ones(Hkv, N, 1)], dim=-1).mT  # (Hkv, d+1, N)
+    bulk, tail_idx, tail_onehot = _tail_dims(groups.long(), G)
+    tail_onehot = tail_onehot.to(q.dtype)
+    t = tail_idx.shape[1]
+    kv_of = torch.arange(Hq) // rep
+    k_tail = k[kv_of[:, None], :, tail_idx]  # (Hq, t, N): each query head's tail dimensions of its keys
+    qs = q * scale
     u = torch.cat([v, v.new_ones(Hkv, N, 1)], dim=-1)
+    u_cum = u.cumsum(1)  # Σ_{j≤i} u_j: the statistics of the pair (0, 0)
     R = torch.empty(Hq, P, n, n, dtype=torch.float64)
     f = torch.empty(Hq, P, n, dtype=torch.float64)
     y_out = q.new_empty(Hq, P, dv)
-    quad = G * (G + 1) // 2
-    per_position = Hq * (rows + quad) * (int(pos_sorted[-1]) + 1 if P else 1) * 4
+    per_position = Hq * (G + quad + 1) * (int(pos_sorted[-1]) + 1 if P else 1) * q.element_size()
     block = max(1, block_bytes // per_position)
     for start in range(0, P, block):
         idx = order[start : start + block]
         p = pos_sorted[start : start + block]
         nb, lo, nk = p.numel(), int(p[0]) + 1, int(p[-1]) + 1
-        # query side of one matmul giving every row: k carries an extra ones column, so the row selecting
-        # it is s̄_0 = 1, group rows are the group-masked queries, the logit row is the whole query
-        qp = q[:, p]  # (Hq, nb, d)
-        qb = q.new_zeros(Hq, nb, rows, d + 1)
-        qb[:, :, 0, d] = 1.0
-        torch.mul(qp[:, :, None, :], onehot[:, None], out=qb[:, :, 1 : G + 1, :d])
-        if softmax:
-            torch.mul(qp, scale, out=qb[:, :, G + 1, :d])
-        s = (qb.view(Hkv, rep * nb * rows, d + 1) @ kx[:, :, :nk]).view(Hq, nb, rows, nk)
+        qp = qs[:, p]  # (Hq, nb, d)
+        total = (qp.view(Hkv, rep * nb, d) @ k[:, :nk].mT).view(Hq, nb, nk)
+        q_tail = torch.gather(qp, 2, tail_idx[:, None, :].expand(Hq, nb, t))
+        q_tail = (q_tail[:, :, None, :] * tail_onehot[:, None]).reshape(Hq, nb * G, t)
+        s = (q_tail @ k_tail[:, :, :nk]).view(Hq, nb, G, nk)  # s_g of the tail groups, 0 for the bulk
+        s.scatter_add_(2, bulk.view(Hq, 1, 1, 1).expand(Hq, nb, 1, nk), (total - s.sum(2))[:, :, None])
         # keys before the block's first position are causal for all of it; only the tail needs a mask
         tail = (torch.arange(lo, nk)[None, :] <= p[:, None])[None, :, None]  # (1, nb, 1, nk - lo)
-        s[:, :, : G + 1, lo:] *= tail
-        if softmax:
-            logit = s[:, :, G + 1]
-            logit[:, :, lo:].masked_fill_(~tail[:, :, 0], float("-inf"))
-            logit.sub_(logit.amax(-1, keepdim=True)).exp_()
-        lin = (s.view(Hkv, rep * nb * rows, nk) @ u[:, :nk]).view(Hq, nb, rows, dv + 1)
+        s[..., lo:] *= tail
         prod = q.new_empty(Hq, nb, quad, nk)  # products s_a s_b, 1 ≤ a ≤ b ≤ G, row-major
         off = 0
-        for a in range(1, G + 1):
-            torch.mul(s[:, :, a : a + 1], s[:, :, a : G + 1], out=prod[:, :, off : off + G + 1 - a])
-            off += G + 1 - a
+        for a in range(G):
+            torch.mul(s[:, :, a : a + 1], s[:, :, a:], out=prod[:, :, off : off + G - a])
+            off += G - a
+        lin = (s.view(Hkv, rep * nb * G, nk) @ u[:, :nk]).view(Hq, nb, G, dv + 1)
         sq = (prod.view(Hkv, rep * nb * quad, nk) @ u[:, :nk]).view(Hq, nb, quad, dv + 1)
-        # pair order of pair_indices: (0, 0..G) first, then row-major a ≤ b over the groups
-        Fp = torch.cat([lin[:, :, : G + 1], sq], dim=2)
-        y = lin[:, :, G + 1, :dv] / lin[:, :, G + 1, dv:] if softmax else target[:, idx]
+        if softmax:
+            total[..., lo:].masked_fill_(~tail[:, :, 0], float("-inf"))
+            total.sub_(total.amax(-1, keepdim=True)).exp_()
+            soft = (total.view(Hkv, rep * nb, nk) @ u[:, :nk]).view(Hq, nb, dv + 1)
+            y = soft[..., :dv] / soft[..., dv:]
+        else:
+            y = target[:, idx]
+        # pair order of pair_indices: (0, 0), (0, 1..G), then row-major a ≤ b over the groups
+        Fp = torch.cat([u_cum[kv_of[:, None], p[None, :]][:, :, None], lin, sq], dim=2)
         E = (Fp[..., :dv] - Fp[..., dv:] * y[:, :, None, :]).double()
         R[:, idx] = E @ E.mT
         f[:, idx] = Fp[..., dv].double()
