@@ -3,9 +3,11 @@ Hq 9, Hkv 3, d 64, N 4096, 8 training and 2 validation sequences).
 
     python -m oal.calibration.benchmark [--groups 3] [--full] [--threads 2] [--layers 1]
 
-``--full`` disables early stopping (patience ≥ max updates), the worst case: every initialisation runs all
-its updates. Queries and keys get a few large-magnitude dimensions, as in pretrained models (§3), so the
-fit is not trivially easy; the timings do not depend on the values otherwise.
+Phase columns are wall seconds. On a shared machine, ``--threads 1`` and the process CPU seconds give a
+load-independent measure of the work. ``--full`` disables early stopping (patience ≥ max updates), the
+worst case: every initialisation runs all its updates. Queries and keys get a few large-magnitude
+dimensions, as in pretrained models (§3), so the fit is not trivially easy; the timings do not depend on
+the values otherwise.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = dataclasses.replace(cfg, patience=cfg.max_updates)
     console = Console(width=150)
     table = Table(title=f"OAL calibration per layer (threads={args.threads}, G={args.groups}, full={args.full})")
-    for col in ("layer", "total s", "val stats", "train stats", "global fit", "oal fit", "updates g/oal", "val MSE"):
+    cols = ("layer", "wall s", "cpu s", "val stats", "train stats", "global fit", "oal fit", "updates g/oal", "val MSE")
+    for col in cols:
         table.add_column(col)
     for layer in range(args.layers):
         gen = torch.Generator().manual_seed(layer)
@@ -81,13 +84,14 @@ def main(argv: list[str] | None = None) -> None:
         train = synthetic_layer(args.train, Hq, Hkv, N, d, gen)
         val = synthetic_layer(args.val, Hq, Hkv, N, d, gen)
         kernel = OALKernel(synthetic_groups(Hq, d, args.groups, gen), Hkv, num_groups=args.groups)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         res = calibrate_layer(kernel, train, val, config=cfg, layer=layer)
-        total = time.perf_counter() - t
+        total, cpu = time.perf_counter() - t, time.process_time() - c
         tm = res.timings
         table.add_row(
             str(layer),
             f"{total:.1f}",
+            f"{cpu:.1f}",
             f"{tm['val_stats']:.1f}",
             f"{tm['train_stats']:.1f}",
             f"{tm['global_fit']:.1f}",
