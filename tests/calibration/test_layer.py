@@ -77,7 +77,12 @@ def test_fast_path_equals_generic_path(Hkv):
     train, val = _qkv(2, Hq, Hkv, N, d, dv=5), _qkv(1, Hq, Hkv, N, d, dv=5)
     kernel = OALKernel(_groups(Hq, d, G), Hkv, num_groups=G)
     cfg = dataclasses.replace(
-        FAST, max_updates=40, val_every=10, patience=20, global_inits=("taylor", "taylor_perturbed")
+        FAST,
+        max_updates=40,
+        val_every=10,
+        patience=20,
+        global_inits=("taylor_perturbed",),
+        oal_inits=("global", "taylor"),
     )
     fast = calibrate_layer(kernel, train, val, config=cfg)
     slow = calibrate_layer(kernel, train, val, config=dataclasses.replace(cfg, fast_path=False))

@@ -58,8 +58,11 @@ class CalibrationConfig:
     Our choices (the paper does not fix them):
       * ``train_pool``: query positions of each training sequence eligible for sampling, drawn once per layer
         (seeded). ``None`` makes every position eligible (the paper's wording); a pool lets the fast path
-        precompute output statistics once and reuse them across updates and initialisations.
-      * ``val_positions``: fixed seeded query positions per validation sequence (``None``: all positions).
+        precompute output statistics once and reuse them across updates and initialisations. On SmolLM2
+        layers 4/12/20 (N = 2048), pools of 64 and 256 and all positions gave held-out MSEs within ±1 % of
+        each other, all positions costing 3–5× more (see the calibration notes).
+      * ``val_positions``: fixed seeded query positions per validation sequence (``None``: all positions),
+        drawn before the pools so they do not depend on the training options.
       * ``global_inits``: initialisations of the learned global quadratic, from ``GLOBAL_INITS``.
       * ``oal_inits``: initialisations of OAL, from ``OAL_INITS`` (the paper's three are the default).
       * ``perturb_std``: Gaussian noise of the ``*_perturbed`` inits, relative: per head
@@ -75,8 +78,8 @@ class CalibrationConfig:
     val_every: int = 100
     patience: int = 400
     grad_clip: float = 10.0
-    train_pool: int | None = 512
-    val_positions: int | None = 512
+    train_pool: int | None = 256
+    val_positions: int | None = 256
     seed: int = 0
     global_inits: tuple[str, ...] = ("taylor", "taylor_perturbed", "taylor_perturbed")
     oal_inits: tuple[str, ...] = OAL_INITS

@@ -51,12 +51,13 @@ class Schedule:
 def make_schedule(
     gen: torch.Generator, num_train: int, num_val: int, n: int, val_n: int, config: CalibrationConfig
 ) -> Schedule:
-    """Draw pools, validation positions and the per-update (sequence, positions) schedule, in that order."""
+    """Draw validation positions, pools and the per-update (sequence, positions) schedule, in that order."""
     P = config.positions_per_update
     if n < P:
         raise ValueError(f"positions_per_update: expected ≤ the training sequence length {n}, got {P}")
-    pools = tuple(_subset(n, config.train_pool, gen) for _ in range(num_train))
+    # validation first, so that the validation positions do not depend on the training options
     val_positions = tuple(_subset(val_n, config.val_positions, gen) for _ in range(num_val))
+    pools = tuple(_subset(n, config.train_pool, gen) for _ in range(num_train))
     seq = torch.randint(num_train, (config.max_updates,), generator=gen)
     positions = torch.empty(config.max_updates, P, dtype=torch.long)
     for u in range(config.max_updates):
