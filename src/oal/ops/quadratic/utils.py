@@ -205,7 +205,7 @@ def _need_tensor(name: str, x: object) -> torch.Tensor:
 def _need_shape(name: str, x: torch.Tensor, expected: tuple[int | str, ...]) -> None:
     ok = x.dim() == len(expected) and all(isinstance(e, str) or s == e for s, e in zip(x.shape, expected, strict=True))
     if not ok:
-        want = "(" + ", ".join(str(e) for e in expected) + ")"
+        want = "(" + ", ".join(str(e) for e in expected) + ("," if len(expected) == 1 else "") + ")"
         raise ValueError(f"{name}: expected shape {want}, got {tuple(x.shape)}")
 
 
