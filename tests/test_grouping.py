@@ -281,6 +281,15 @@ def test_json_round_trip_and_validation(tmp_path) -> None:
     with pytest.raises(ValueError, match="version"):
         GroupAssignment.load(tmp_path / "v.json")
     data = json.loads(path.read_text())
+    del data["layers"]["0"][2]["order"]
+    (tmp_path / "m.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="malformed"):
+        GroupAssignment.load(tmp_path / "m.json")
+    (tmp_path / "t.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a JSON"):
+        GroupAssignment.load(tmp_path / "t.json")
+    assert set(back.group_id_tensors()) == {0, 1}
+    data = json.loads(path.read_text())
     data["layers"]["1"] = data["layers"]["1"][:3]
     (tmp_path / "h.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="expected 4 heads"):

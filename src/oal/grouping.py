@@ -317,6 +317,10 @@ class GroupAssignment:
             raise ValueError(f"layer: expected one of the grouped layers {sorted(self.layers)}, got {layer}")
         return torch.stack([r.group_ids for r in self.layers[layer]])
 
+    def group_id_tensors(self) -> dict[int, torch.Tensor]:
+        """layer → ``(Hq, d)`` group ids for every grouped layer."""
+        return {layer: self.group_ids(layer) for layer in sorted(self.layers)}
+
     def num_groups(self, layer: int | None = None) -> int:
         """Largest group count over the heads of ``layer`` (or of all layers): ``OALKernel``'s ``num_groups``."""
         layers = self.layers.values() if layer is None else [self.layers[layer]]
@@ -354,11 +358,18 @@ class GroupAssignment:
         source: str = "groups",
     ) -> GroupAssignment:
         """Validate and load; ``model_id``/``head_dim``/``num_heads``, when given, must match the file."""
-        if data.get("schema") != SCHEMA or data.get("version") != SCHEMA_VERSION:
-            raise ValueError(
-                f"{source}: expected schema {SCHEMA!r} version {SCHEMA_VERSION}, "
-                f"got {data.get('schema')!r} version {data.get('version')!r}"
-            )
+        if not isinstance(data, Mapping) or data.get("schema") != SCHEMA or data.get("version") != SCHEMA_VERSION:
+            got = (data.get("schema"), data.get("version")) if isinstance(data, Mapping) else type(data).__name__
+            raise ValueError(f"{source}: expected schema {SCHEMA!r} version {SCHEMA_VERSION}, got {got}")
+        try:
+            return cls._from_checked_dict(data, model_id, head_dim, num_heads, source)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{source}: malformed group file ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_checked_dict(
+        cls, data: Mapping, model_id: str | None, head_dim: int | None, num_heads: int | None, source: str
+    ) -> GroupAssignment:
         for key, want in (("model_id", model_id), ("head_dim", head_dim), ("num_heads", num_heads)):
             if want is not None and data[key] != want:
                 raise ValueError(f"{source}: groups were made for {key}={data[key]!r}, but {want!r} was expected")
@@ -375,6 +386,8 @@ class GroupAssignment:
                 if len(r["chi_mean"]) != d or sorted(r["order"]) != list(range(d)):
                     raise ValueError(f"{source}: layer {key} head {h}: expected chi_mean/order of length d={d}")
             layers[int(key)] = [GroupingResult.from_dict(r, d) for r in heads]
+        if not layers:
+            raise ValueError(f"{source}: expected at least one layer")
         return cls(str(data["model_id"]), d, H, layers, dict(data.get("params", {})))
 
     @classmethod

@@ -30,7 +30,7 @@ def test_all_figures_written(tmp_path) -> None:
     chi = chi_p.mean(0)
     paths = [
         plot_head_profile(torch.rand(d) + 1, torch.rand(d), chi, tmp_path / "fig1.png", title="L4 H0"),
-        plot_sorted_groups(chi, res.groups, tmp_path / "sub" / "fig2a.png"),
+        plot_sorted_groups(chi, res.groups, tmp_path / "sub" / "fig2a.png", fallback_cuts=res.fallback_cuts),
         plot_concentration_controls(
             {"pretrained": 0.62, "Gaussian (seed 0)": 0.1, "Gaussian (seed 1)": 0.11}, tmp_path / "fig5.png"
         ),
@@ -55,5 +55,7 @@ def test_plot_errors(tmp_path) -> None:
     order = torch.sort(chi, stable=True).indices.tolist()
     with pytest.raises(ValueError, match="contiguous"):
         plot_sorted_groups(chi, [sorted(order[4:]), sorted(order[:4])], tmp_path / "x.png")
+    with pytest.raises(ValueError, match="fallback_cuts"):
+        plot_sorted_groups(chi, [sorted(order[:4]), sorted(order[4:])], tmp_path / "x.png", fallback_cuts=[5])
     with pytest.raises(ValueError, match="counts"):
         plot_group_histogram([], tmp_path / "x.png")

@@ -55,13 +55,14 @@ def plot_head_profile(
     if any(not 0 <= r < d for r in hi) or len(hi) > len(_HIGHLIGHT):
         raise ValueError(f"highlight: expected at most {len(_HIGHLIGHT)} dimensions in [0, {d}), got {hi}")
     fig = Figure(figsize=(13, 3.4))
+    colors = ["tab:gray"] * d
+    for r, col in zip(hi, _HIGHLIGHT, strict=False):
+        colors[r] = col
+    legend = [Patch(color=col, label=f"r={r}") for r, col in zip(hi, _HIGHLIGHT, strict=False)]
     for ax, (vals, name, ylabel) in zip(fig.subplots(1, 3), panels, strict=True):
-        colors = ["tab:gray"] * d
-        for r, col in zip(hi, _HIGHLIGHT, strict=False):
-            colors[r] = col
         ax.bar(range(d), vals.numpy(), color=colors, width=0.9)
-        for r, col in zip(hi, _HIGHLIGHT, strict=False):
-            ax.annotate(f"r={r}", (r, float(vals[r])), color=col, ha="center", va="bottom", fontsize=8)
+        if legend:
+            ax.legend(handles=legend, fontsize=8)
         ax.set_title(name)
         ax.set_xlabel("dimension r")
         ax.set_ylabel(ylabel)
@@ -73,10 +74,17 @@ def plot_head_profile(
 
 
 def plot_sorted_groups(
-    chi_mean: torch.Tensor, groups: Sequence[Sequence[int]], path: str | Path, *, title: str | None = None
+    chi_mean: torch.Tensor,
+    groups: Sequence[Sequence[int]],
+    path: str | Path,
+    *,
+    fallback_cuts: Sequence[int] = (),
+    title: str | None = None,
 ) -> Path:
-    """Fig. 2a: χ_r sorted ascending (log scale), bars coloured by group, dashed lines at the group boundaries.
-    ``groups`` must be bulk first and contiguous in the sorted order, as :mod:`oal.grouping` returns them."""
+    """Fig. 2a: χ_r sorted ascending (log scale), bars coloured by group, lines at the group boundaries (dashed
+    black for natural cuts, dotted grey for ``fallback_cuts``, given as cut positions k like
+    ``GroupingResult.fallback_cuts``). ``groups`` must be bulk first and contiguous in the sorted order, as
+    :mod:`oal.grouping` returns them."""
     c = _vector(chi_mean, "chi_mean")
     d = c.numel()
     gid = torch.full((d,), -1, dtype=torch.long)
@@ -92,8 +100,12 @@ def plot_sorted_groups(
     ax = fig.subplots()
     palette = [f"C{g % 10}" for g in range(len(groups))]
     ax.bar(range(d), c[order].clamp_min(1e-300).numpy(), color=[palette[int(g)] for g in sorted_gid], width=0.9)
-    for k in (torch.nonzero(sorted_gid.diff()).flatten() + 1).tolist():
-        ax.axvline(k - 0.5, color="black", linestyle="--", linewidth=0.8)
+    cuts = (torch.nonzero(sorted_gid.diff()).flatten() + 1).tolist()
+    if not set(fallback_cuts) <= set(cuts):
+        raise ValueError(f"fallback_cuts: expected a subset of the group boundaries {cuts}, got {list(fallback_cuts)}")
+    for k in cuts:
+        style = ("tab:gray", ":") if k in fallback_cuts else ("black", "--")
+        ax.axvline(k - 0.5, color=style[0], linestyle=style[1], linewidth=1.0)
     ax.set_yscale("log")
     ax.set_xlabel(r"rank (ascending $\chi_r$)")
     ax.set_ylabel(r"$\chi_r$")
@@ -115,7 +127,7 @@ def plot_concentration_controls(
     ax = fig.subplots()
     bars = ax.bar(names, vals, color=[f"C{i}" for i in range(len(names))])
     ax.bar_label(bars, fmt="%.1f")
-    ax.set_ylabel(f"top-{k} share of " + r"$\sum_r \chi_r$ (%)")
+    ax.set_ylabel(f"top-{k} share of " + r"$\Sigma_r\,\chi_r$ (%)")
     ax.set_ylim(0, max(100.0, max(vals) * 1.1))
     ax.set_title(title or f"Top-{k} contribution concentration")
     fig.tight_layout()

@@ -148,8 +148,10 @@ class ActivationProfileAccumulator:
     """Streams hidden states batch by batch into an :class:`ActivationProfile`.
 
     ``update(hidden_states, lengths=None)`` takes one ``(B, N, hidden)`` tensor per decoder block, in block
-    order (for Hugging Face ``output_hidden_states`` pass ``hidden_states[1:]``, dropping the embeddings);
-    ``lengths`` ``(B,)`` excludes right padding.
+    order; ``lengths`` ``(B,)`` excludes right padding. Hugging Face ``output_hidden_states`` gives the
+    embeddings first and, by default (``tie_last_hidden_states``), the *final-normed* output in place of the
+    last block's residual stream: pass ``hidden_states[1:]`` and set ``config.tie_last_hidden_states = False``
+    (or hook the decoder layers) to get the raw last block.
     """
 
     def __init__(self) -> None:
