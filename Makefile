@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 OAL := $(VENV)/bin/oal
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# the shared evaluation data beside a checkout, when present (else the library's own fallbacks apply)
+ifneq ($(wildcard ../shared/data/wikitext-2-raw),)
+export OAL_DATA_DIR ?= $(abspath ../shared/data)
+endif
 
 .PHONY: demo test test-all lint clean-venv
 

@@ -22,3 +22,13 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug 
         format="%(message)s",
         handlers=[RichHandler(show_path=False, rich_tracebacks=False)],
     )
+
+
+def _register_commands() -> None:
+    from .analysis.cli import register as analysis
+
+    for register in (analysis,):
+        register(app)
+
+
+_register_commands()
