@@ -78,8 +78,14 @@ class DiJiangKernel(FeatureKernel):
         return self.num_kv_heads
 
     def feature_map(self, x: torch.Tensor) -> torch.Tensor:
-        """``softmax(x d^{-1/4} P)`` over the feature axis: ``(..., d) -> (..., d)``."""
-        return torch.softmax((x * self.input_scale) @ self.projection.to(x.dtype), dim=-1)
+        """``softmax(x d^{-1/4} P)`` over the feature axis: ``(..., d) -> (..., d)``.
+
+        Written out (the max shift cancels, so it is detached): on the tiny per-token tensors of the recurrent
+        mode ``torch.softmax`` measured over 10× slower on CPU than these three element-wise ops.
+        """
+        z = (x * self.input_scale) @ self.projection.to(x.dtype)
+        e = torch.exp(z - z.detach().amax(-1, keepdim=True))
+        return e / e.sum(-1, keepdim=True)
 
     def query_features(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """``softmax(x_q P) ⊙ D_h²``: both copies of D on the query side."""
