@@ -1,6 +1,7 @@
-"""Attention kernels: OAL (§4.3), the learned global quadratic (App. D) and, later, the F.1 baselines."""
+"""Attention kernels: OAL (§4.3), the learned global quadratic (App. D) and the F.1 baselines."""
 
 from .base import AttentionKernel, SoftmaxKernel, check_positions, repeat_kv
+from .baselines import DiJiangKernel, FeatureKernel, PerformerKernel, SpectraFormerKernel, TaylorShiftKernel
 from .oal import (
     GlobalQuadraticKernel,
     OALKernel,
@@ -12,9 +13,19 @@ from .oal import (
     taylor_global_L,
     taylor_L,
 )
+from .registry import KERNELS, build_kernel, kernel_config, kernel_from_config
 
 __all__ = [
+    "KERNELS",
     "AttentionKernel",
+    "DiJiangKernel",
+    "FeatureKernel",
+    "PerformerKernel",
+    "SpectraFormerKernel",
+    "TaylorShiftKernel",
+    "build_kernel",
+    "kernel_config",
+    "kernel_from_config",
     "GlobalQuadraticKernel",
     "OALKernel",
     "SoftmaxKernel",
