@@ -1,6 +1,6 @@
 """The operator benchmark as a script; the same options as `oal bench op` (see `--help`).
 
-python benchmarks/bench_op.py --quick --max-n 2048 --dtypes fp32 --out results/bench_op_smoke
+python benchmarks/bench_op.py --quick --max-n 2048 --dtypes fp32 --out runs/bench_op_smoke
 """
 
 import typer

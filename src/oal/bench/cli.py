@@ -35,9 +35,7 @@ def _describe(point: dict) -> str:
 
 @bench_app.command("op")
 def op(
-    out: Annotated[Path, typer.Option("--out", help="Output folder (op.json, op.md, op.png).")] = Path(
-        "results/bench_op"
-    ),
+    out: Annotated[Path, typer.Option("--out", help="Output folder (op.json, op.md, op.png).")] = Path("runs/bench_op"),
     quick: Annotated[
         bool, typer.Option("--quick", help="Smoke preset: N = 1024, 2048 and one timed call per point.")
     ] = False,
@@ -140,6 +138,21 @@ def op(
     for check in target_checks(doc):
         console.print(check.line().replace("**", ""))
     console.print(f"wrote {out / 'op.json'}, {md}, {png}")
+
+
+@bench_app.command("report")
+def report(
+    out: Annotated[Path, typer.Option("--out", help="Folder holding op.json.")] = Path("runs/bench_op"),
+) -> None:
+    """Rewrite op.md and op.png from OUT/op.json (for example after an interrupted sweep)."""
+    from .op import RESULT_FILE, load_results
+    from .report import write_report
+
+    doc = load_results(out / RESULT_FILE)
+    if doc is None:
+        raise typer.BadParameter(f"no {RESULT_FILE} in {out}", param_hint="--out")
+    md, png = write_report(doc, out)
+    Console(stderr=True).print(f"wrote {md}, {png}")
 
 
 def register(app: typer.Typer) -> None:
