@@ -68,7 +68,7 @@ def op(
     """Forward causal attention: SDPA against OAL and the other registered methods, runtime and peak memory
     against N, each point in a fresh process. Resumes: points already in OUT/op.json are kept."""
     from .methods import METHODS
-    from .op import FULL_SIZES, QUICK_SIZES, BenchConfig, run_sweep
+    from .op import FULL_SIZES, QUICK_SIZES, BenchConfig, quick_config, run_sweep
     from .report import target_checks, write_report
 
     common = {
@@ -83,12 +83,11 @@ def op(
         "point_timeout_s": timeout,
         "mem_fraction": mem_fraction,
     }
-    if quick:
-        timing = {"warmup": 0, "min_repeats": 1, "max_repeats": 1, "budget_s": 0.0}
-    else:
-        timing = {"warmup": 1, "min_repeats": min_repeats, "max_repeats": max_repeats, "budget_s": budget}
     try:
-        config = BenchConfig(**common, **timing)
+        if quick:
+            config = quick_config(**common)
+        else:
+            config = BenchConfig(**common, warmup=1, min_repeats=min_repeats, max_repeats=max_repeats, budget_s=budget)
         n_list = [int(x) for x in _split(sizes, "--sizes")] if sizes else list(QUICK_SIZES if quick else FULL_SIZES)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err

@@ -39,6 +39,7 @@ METHODS: dict[str, Method] = {}
 
 
 def register_method(method: Method, *, replace: bool = False) -> Method:
+    """Add ``method`` to :data:`METHODS` (a name is registered once unless ``replace``)."""
     if not isinstance(method, Method):
         raise ValueError(f"method: expected a Method, got {type(method).__name__}")
     if method.name in METHODS and not replace:
@@ -48,6 +49,7 @@ def register_method(method: Method, *, replace: bool = False) -> Method:
 
 
 def get_method(name: str) -> Method:
+    """The registered method called ``name``."""
     if name not in METHODS:
         raise ValueError(f"methods: expected names from {sorted(METHODS)}, got {name!r}")
     return METHODS[name]

@@ -415,6 +415,10 @@ def run_sweep(
         doc = {"schema": SCHEMA, "config": identity, "definitions": definitions(config)}
         doc |= {"machine": None, "runs": [], "points": []}
     doc["runs"].append({"command": command, "date": dt.datetime.now().astimezone().isoformat(timespec="seconds")})
+    described = doc.setdefault("methods", {})
+    for name in methods:
+        method = get_method(name)
+        described[name] = {"label": method.label, "description": method.description}
 
     machine = doc["machine"]
     if machine is None or any(d not in machine["matmul"] for d in dtypes):
