@@ -26,8 +26,9 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug 
 
 def _register_commands() -> None:
     from .analysis.cli import register as analysis
+    from .bench.cli import register as bench
 
-    for register in (analysis,):
+    for register in (analysis, bench):
         register(app)
 
 
