@@ -12,11 +12,13 @@ from .oal import (
     taylor_global_L,
     taylor_L,
 )
+from .sink_window import SinkWindowKernel, sink_window_name, split_sink_window_name
 
 __all__ = [
     "AttentionKernel",
     "GlobalQuadraticKernel",
     "OALKernel",
+    "SinkWindowKernel",
     "SoftmaxKernel",
     "check_positions",
     "repeat_kv",
@@ -27,4 +29,6 @@ __all__ = [
     "oal_factor",
     "taylor_L",
     "taylor_global_L",
+    "sink_window_name",
+    "split_sink_window_name",
 ]
