@@ -110,6 +110,8 @@ class Segment(NamedTuple):
 def prepare_segment(
     k: torch.Tensor, v: torch.Tensor, n_sink: int, window: int, state: SinkWindowState | None
 ) -> Segment:
+    """The window buffer followed by the segment (``ext``), and the sink buffers with the sink positions this
+    segment reaches filled in; a missing state is position 0 with empty (zero) buffers."""
     B, Hkv, N, _ = k.shape
     t0 = 0 if state is None else state.offset
 
