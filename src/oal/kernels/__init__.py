@@ -14,6 +14,7 @@ from .oal import (
     taylor_L,
 )
 from .registry import KERNELS, build_kernel, kernel_config, kernel_from_config
+from .sink_window import SinkWindowKernel, sink_window_name, split_sink_window_name
 
 __all__ = [
     "KERNELS",
@@ -28,6 +29,7 @@ __all__ = [
     "kernel_from_config",
     "GlobalQuadraticKernel",
     "OALKernel",
+    "SinkWindowKernel",
     "SoftmaxKernel",
     "check_positions",
     "repeat_kv",
@@ -38,4 +40,6 @@ __all__ = [
     "oal_factor",
     "taylor_L",
     "taylor_global_L",
+    "sink_window_name",
+    "split_sink_window_name",
 ]
