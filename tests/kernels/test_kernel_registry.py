@@ -96,3 +96,24 @@ def test_bad_requests_raise():
         kernel_from_config({"name": "global", "num_heads": 4})
     with pytest.raises(ValueError, match="config"):
         kernel_from_config({**kernel_config(build_kernel("dijiang", **DIMS)), "num_features": 3})
+
+
+@pytest.mark.parametrize("name", ["oal+sink+window", "global+window", "oal+sink"])
+def test_sink_window_kernels_round_trip(name):
+    from oal.kernels import SINK_WINDOW_KERNELS, SinkWindowKernel
+
+    assert name in SINK_WINDOW_KERNELS
+    kw = {"groups": torch.randint(0, 3, (6, 8))} if name.startswith("oal") else {}
+    k = build_kernel(name, num_heads=6, num_kv_heads=2, head_dim=8, window=4 if "window" in name else 0, **kw)
+    assert isinstance(k, SinkWindowKernel) and k.name == name
+    with torch.no_grad():
+        k.beta.normal_()
+    k2 = kernel_from_config(kernel_config(k))
+    k2.load_state_dict(k.state_dict())
+    q, kk, v = torch.randn(1, 6, 20, 8), torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+    assert torch.equal(k(q, kk, v)[0], k2(q, kk, v)[0])
+
+
+def test_sink_window_flag_mismatch():
+    with pytest.raises(ValueError, match="n_sink, window"):
+        build_kernel("global+sink", num_heads=2, num_kv_heads=1, head_dim=4, n_sink=0)

@@ -13,11 +13,12 @@ from .oal import (
     taylor_global_L,
     taylor_L,
 )
-from .registry import KERNELS, build_kernel, kernel_config, kernel_from_config
+from .registry import KERNELS, SINK_WINDOW_KERNELS, build_kernel, kernel_config, kernel_from_config
 from .sink_window import SinkWindowKernel, sink_window_name, split_sink_window_name
 
 __all__ = [
     "KERNELS",
+    "SINK_WINDOW_KERNELS",
     "AttentionKernel",
     "DiJiangKernel",
     "FeatureKernel",

@@ -18,11 +18,17 @@ from .base import AttentionKernel, SoftmaxKernel
 from .baselines import DiJiangKernel, PerformerKernel, SpectraFormerKernel, TaylorShiftKernel
 from .baselines.common import check_nonnegative_int
 from .oal import GlobalQuadraticKernel, OALKernel
+from .sink_window import SinkWindowKernel, split_sink_window_name
 
 BASELINES: dict[str, type[AttentionKernel]] = {
     cls.name: cls for cls in (PerformerKernel, SpectraFormerKernel, DiJiangKernel, TaylorShiftKernel)
 }
 KERNELS = ("softmax", "global", "oal", *BASELINES)
+# exact sinks and/or an exact local window around the quadratic kernels ("Beyond the paper")
+SINK_WINDOW_KERNELS = tuple(
+    f"{base}{tail}" for base in ("oal", "global") for tail in ("+sink", "+window", "+sink+window")
+)
+SINK_WINDOW_DEFAULTS = {"n_sink": 4, "window": 64}
 
 
 def _check_kwargs(name: str, kw: dict[str, Any], allowed: set[str]) -> None:
@@ -49,6 +55,18 @@ def build_kernel(
     """
     check_nonnegative_int("layer_idx", layer_idx)
     check_nonnegative_int("seed", seed)
+    if name in SINK_WINDOW_KERNELS:
+        base, sink, window = split_sink_window_name(name)
+        n_sink = kw.pop("n_sink", SINK_WINDOW_DEFAULTS["n_sink"] if sink else 0)
+        w = kw.pop("window", SINK_WINDOW_DEFAULTS["window"] if window else 0)
+        if bool(n_sink) != sink or bool(w) != window:
+            raise ValueError(
+                f"n_sink, window: {name!r} needs n_sink > 0 iff '+sink' and window > 0 iff '+window', "
+                f"got n_sink={n_sink}, window={w}"
+            )
+        beta = kw.pop("beta", None)
+        inner = build_kernel(base, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, **kw)
+        return SinkWindowKernel(inner, n_sink=n_sink, window=w, beta=beta)
     if name in BASELINES:
         cls = BASELINES[name]
         allowed = set(inspect.signature(cls.__init__).parameters) - {"self", "num_heads", "num_kv_heads", "head_dim"}
@@ -71,13 +89,17 @@ def build_kernel(
             got = tuple(groups.shape) if isinstance(groups, torch.Tensor) else type(groups).__name__
             raise ValueError(f"groups: expected shape ({num_heads}, {head_dim}), got {got}")
         return OALKernel(groups, num_kv_heads, **kw)
-    raise ValueError(f"name: expected one of {KERNELS}, got {name!r}")
+    raise ValueError(f"name: expected one of {KERNELS + SINK_WINDOW_KERNELS}, got {name!r}")
 
 
 def kernel_config(kernel: AttentionKernel) -> dict[str, Any]:
     """JSON-friendly constructor arguments of any kernel :func:`build_kernel` makes (not its trained values)."""
     if isinstance(kernel, tuple(BASELINES.values())):
         return kernel.config()
+    if isinstance(kernel, SinkWindowKernel):
+        inner = kernel_config(kernel.inner)
+        inner.pop("name")
+        return {"name": kernel.name, "n_sink": kernel.n_sink, "window": kernel.window, **inner}
     cfg: dict[str, Any] = {
         "name": kernel.name,
         "num_heads": kernel.num_heads,
