@@ -7,7 +7,15 @@ import torch
 from .chunk import chunk_quadratic_attention, factored_kernel
 from .naive import naive_kernel_matrix, naive_quadratic_attention
 from .recurrent import recurrent_quadratic_attention
-from .utils import KernelFactor, feature_dim, key_features, query_features, query_weights, split_state
+from .utils import (
+    KernelFactor,
+    QuadraticAttentionOutput,
+    feature_dim,
+    key_features,
+    query_features,
+    query_weights,
+    split_state,
+)
 
 MODES = ("naive", "chunk", "recurrent")
 
@@ -26,11 +34,13 @@ def quadratic_attention(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     factor: KernelFactor | None = None,
+    key_weight: torch.Tensor | None = None,
+    return_denominator: bool = False,
     kernel_floor: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None] | QuadraticAttentionOutput:
     """Causal normalised attention with the dimension-aware quadratic kernel of Eq. 3:
 
-        o_i = Σ_{j≤i} κ(q_i, k_j) v_j / Σ_{j≤i} κ(q_i, k_j),
+        o_i = Σ_{j≤i} ω_j κ(q_i, k_j) v_j / Σ_{j≤i} ω_j κ(q_i, k_j),
         κ(q, k) = a + Σ_r b_r x_r + Σ_{r,t} C_rt x_r x_t,   x_r = q_r k_r · scale.
 
     Args:
@@ -47,6 +57,12 @@ def quadratic_attention(
         factor: the same kernel as a :class:`KernelFactor` (sum of squares, Eq. 7); ``"chunk"`` then builds
             the intra-chunk kernel from it. The caller guarantees it matches (a, b, C);
             :func:`oal.kernels.oal_factor` and :func:`oal.kernels.oal_coefficients` produce matching pairs.
+        key_weight: optional ``(B, Hkv, N)`` non-negative weights ω_j (default 1) scaling ``u_j = [v_j; 1]``, so
+            ω_j = 0 removes key j from numerator, denominator and state. The floor then uses the weighted key
+            count ``Σ_{j≤i} ω_j`` (plus the count held in ``initial_state``), and a query whose count is 0
+            gets output 0. Differentiable in ``"chunk"`` and ``"naive"`` like the other inputs.
+        return_denominator: return a :class:`QuadraticAttentionOutput` ``(o, denominator (B, Hq, N),
+            final_state)`` instead of ``(o, final_state)``; the denominator is the one each output was divided by.
         kernel_floor: a known lower bound κ ≥ floor > 0 (OAL's ε). Denominators are then clamped to
             ``floor · (number of keys)``, which the exact value always exceeds, so fp32 rounding in the state
             readout can never make a denominator non-positive. Ignored by ``"naive"``.
@@ -55,7 +71,8 @@ def quadratic_attention(
     ``"chunk"`` and ``"naive"`` are differentiable in q, k, v, a, b and C.
 
     Returns:
-        ``(o, final_state)``: o ``(B, Hq, N, dv)``; final_state as above, or None.
+        ``(o, final_state)``: o ``(B, Hq, N, dv)``; final_state as above, or None. With ``return_denominator``,
+        ``(o, denominator, final_state)`` as a :class:`QuadraticAttentionOutput`.
     """
     if mode == "chunk":
         return chunk_quadratic_attention(
@@ -71,6 +88,8 @@ def quadratic_attention(
             output_final_state=output_final_state,
             factor=factor,
             kernel_floor=kernel_floor,
+            key_weight=key_weight,
+            return_denominator=return_denominator,
         )
     if mode == "recurrent":
         return recurrent_quadratic_attention(
@@ -84,10 +103,22 @@ def quadratic_attention(
             initial_state=initial_state,
             output_final_state=output_final_state,
             kernel_floor=kernel_floor,
+            key_weight=key_weight,
+            return_denominator=return_denominator,
         )
     if mode == "naive":
         return naive_quadratic_attention(
-            q, k, v, a, b, C, scale=scale, initial_state=initial_state, output_final_state=output_final_state
+            q,
+            k,
+            v,
+            a,
+            b,
+            C,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            key_weight=key_weight,
+            return_denominator=return_denominator,
         )
     raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
@@ -95,6 +126,7 @@ def quadratic_attention(
 __all__ = [
     "KernelFactor",
     "MODES",
+    "QuadraticAttentionOutput",
     "chunk_quadratic_attention",
     "factored_kernel",
     "feature_dim",
