@@ -131,11 +131,11 @@ class TemperatureSoftmax(AttentionKernel):
 
     name = "temperature"
 
-    def __init__(self, Hq, Hkv, d, init=0.4, shared=False, shape=None):
+    def __init__(self, Hq, Hkv, d, init=0.4, shared=False, shape=None, declare=True):
         super().__init__(Hq, Hkv, d)
         self.tau = torch.nn.Parameter(torch.full(shape or ((1,) if shared else (Hq,)), init))
-        if shared:
-            self.shared_parameters = ("tau",)
+        if declare:
+            self.shared_parameters = ("tau",) if shared else ()
 
     def weights(self, q, k, positions):
         positions = check_positions(positions, q.shape[2])
@@ -145,12 +145,12 @@ class TemperatureSoftmax(AttentionKernel):
         return torch.exp(logits - logits.amax(-1, keepdim=True))
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_generic_kernel(shared):
+@pytest.mark.parametrize(("shared", "declare"), [(False, True), (True, True), (True, False)])
+def test_generic_kernel(shared, declare):
     Hq, Hkv, N, d = 3, 1, 40, 8
     train, val = _qkv(2, Hq, Hkv, N, d), _qkv(1, Hq, Hkv, N, d)
     cfg = dataclasses.replace(FAST, max_updates=80, val_every=20, patience=60)
-    res = calibrate_layer(TemperatureSoftmax(Hq, Hkv, d, shared=shared), train, val, config=cfg)
+    res = calibrate_layer(TemperatureSoftmax(Hq, Hkv, d, shared=shared, declare=declare), train, val, config=cfg)
     assert res.selection == ("per_layer" if shared else "per_head")
     assert res.inits == ("natural",) and res.chosen_init == (0,) * Hq
     assert res.val_mse.shape == (Hq,) and (res.val_mse < 0.5 * res.init_val_mse[0]).all()
@@ -160,7 +160,7 @@ def test_generic_kernel(shared):
         assert torch.equal(res.best_update, res.best_update[:, :1].expand(1, Hq))
 
 
-def test_generic_kernel_rejects_undeclared_shared_parameter():
+def test_generic_kernel_rejects_a_per_head_parameter_without_heads():
     train, val = _qkv(1, 2, 1, 40, 4), _qkv(1, 2, 1, 16, 4)
     with pytest.raises(ValueError, match="shared_parameters"):
         calibrate_layer(TemperatureSoftmax(2, 1, 4, shape=(5,)), train, val, config=FAST)
@@ -204,3 +204,24 @@ def test_config_roundtrip():
     assert CalibrationConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown"):
         CalibrationConfig.from_dict({"learning_rate": 1})
+
+
+@pytest.mark.parametrize(
+    ("name", "selection"),
+    [("performer", "none"), ("spectraformer", "per_layer"), ("dijiang", "per_head"), ("taylorshift", "per_head"),
+     ("global+sink+window", "per_head")],
+)  # fmt: skip
+def test_registry_kernels(name, selection):
+    """The F.1 baselines (and the sink/window variant) through the generic path with their natural init."""
+    from oal.kernels.registry import build_kernel
+
+    Hq, Hkv, N, d = 3, 1, 40, 8
+    train, val = _qkv(2, Hq, Hkv, N, d), _qkv(1, Hq, Hkv, N, d)
+    extra = {"n_sink": 2, "window": 4} if "+" in name else {}
+    kernel = build_kernel(name, num_heads=Hq, num_kv_heads=Hkv, head_dim=d, layer_idx=1, **extra)
+    cfg = dataclasses.replace(FAST, max_updates=20, val_every=10, patience=10)
+    res = calibrate_layer(kernel, train, val, config=cfg, layer=1)
+    assert res.selection == selection and res.kernel == kernel.name
+    assert res.meta["kernel_config"]["name"] == kernel.name
+    assert (res.val_mse <= res.init_val_mse[0] + 1e-12).all() and torch.isfinite(res.val_mse).all()
+    assert set(res.state) == set(kernel.state_dict())

@@ -119,3 +119,21 @@ def test_mismatch_is_an_error(tmp_path, layers):
 def test_bad_layers(tmp_path, layers):
     with pytest.raises(ValueError, match="layers"):
         calibrate_layers(lambda i: None, lambda i: None, [0, 0], tmp_path, config=CFG, progress=False)
+
+
+def test_baseline_roundtrip(tmp_path, layers):
+    """Any registry kernel is rebuilt from the stored config and state (here SpectraFormer: shared B, G, S)."""
+    from oal.kernels.registry import build_kernel
+
+    data, _ = layers
+    d8 = {i: tuple(QKV(x.q[..., :8], x.k[..., :8], x.v[..., :8]) for x in pair) for i, pair in data.items()}
+    cfg = dataclasses.replace(CFG, max_updates=20, val_every=10)
+    make = lambda i: build_kernel("spectraformer", num_heads=Hq, num_kv_heads=Hkv, head_dim=8, layer_idx=i)  # noqa: E731
+    calibrate_layers(make, lambda i: d8[i], [1], tmp_path, config=cfg, progress=False)
+    kernel = load_calibrated(tmp_path, 1)
+    assert type(kernel).__name__ == "SpectraFormerKernel"
+    stored = load_calibrated_state(tmp_path, 1)
+    assert all(torch.equal(v, stored[k]) for k, v in kernel.state_dict().items())
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["layers"]["1"]["selection"] == "per_layer"
+    assert not (tmp_path / "global").exists()

@@ -6,9 +6,11 @@
   initialisation is kept, then the best initialisation.
 * The learned global quadratic (``GlobalQuadraticKernel``): the same protocol with ``config.global_inits``.
 * Any other ``AttentionKernel`` (the F.1 baselines): its trainable parameters from their natural
-  initialisation (the values the kernel holds), one initialisation. A kernel whose class attribute
-  ``shared_parameters`` names parameters shared by all heads is selected per layer; every other trainable
-  parameter must carry the query heads on its first dimension. A kernel without trainable parameters is
+  initialisation (the values the kernel holds), one initialisation. Trainable parameters carry the query
+  heads on their first dimension, or are shared by the layer's heads (SpectraFormer's B, G, S): then heads
+  are not independent, and checkpoints and early stopping are per layer, on the mean over heads. An
+  attribute ``shared_parameters`` (names) declares them; without it, a parameter whose first dimension is
+  not the number of query heads is taken as shared. A kernel without trainable parameters (Performer) is
   only evaluated.
 
 Grouped kernels use the precomputed output statistics of ``stats.py`` (``config.fast_path``); all kernels
@@ -19,6 +21,7 @@ same schedule (one per layer, shared by all initialisations).
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -30,10 +33,13 @@ import torch
 
 from ..kernels import AttentionKernel, GlobalQuadraticKernel, OALKernel, SoftmaxKernel, embed_global, taylor_L
 from ..kernels.oal import taylor_global_L
+from ..kernels.registry import kernel_config
 from .config import QKV, CalibrationConfig, check_qkv
 from .fit import Adam, FitOutcome, autograd_step, clip_per_unit, optimise
 from .sampling import Schedule, layer_generator, make_schedule
 from .stats import factor_mse, grouped_output_stats, pair_map
+
+log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int], None]
 """``progress(stage, done, total)``: stage is e.g. ``"global"``, ``"oal"`` or the kernel's name."""
@@ -67,7 +73,8 @@ class LayerResult:
     initialisation's best checkpoint; ``init_val_mse``: of each initialisation before training;
     ``best_update``: update count of each best checkpoint (0 = the initialisation); ``updates``: updates
     run before early stopping. ``global_stage``: for OAL, the calibration of the learned global quadratic
-    that provided its initialisations. ``meta``: what is needed to rebuild the kernel. ``timings``: wall
+    that provided its initialisations. ``meta``: shapes, and ``kernel_config`` (the registry's
+    ``kernel_config``, None for kernels it does not know) to rebuild the kernel. ``timings``: wall
     seconds by phase (targets or statistics, and each stage's optimisation).
     """
 
@@ -315,20 +322,27 @@ def _fit_factor_fast(
 
 
 def _trainable(kernel: AttentionKernel) -> tuple[list[str], list[torch.Tensor], list[int]]:
-    shared = set(getattr(kernel, "shared_parameters", ()))
+    """Trainable parameters and their unit dimensions: 1 (per query head, on the first dimension) or 0
+    (shared by the layer's heads). A ``shared_parameters`` attribute naming the shared ones is authoritative;
+    without it a parameter is per head iff its first dimension is the number of query heads."""
+    declared = getattr(kernel, "shared_parameters", None)
     names, params, lead = [], [], []
     for name, p in kernel.named_parameters():
         if not p.requires_grad:
             continue
-        if name not in shared and (p.dim() == 0 or p.shape[0] != kernel.num_heads):
+        per_head = p.dim() > 0 and p.shape[0] == kernel.num_heads
+        shared = name in declared if declared is not None else not per_head
+        if not shared and not per_head:
             raise ValueError(
                 f"{type(kernel).__name__}.{name}: expected the {kernel.num_heads} query heads on the first "
                 f"dimension of a per-head parameter, got shape {tuple(p.shape)}; list parameters shared by all "
-                f"heads in the class attribute `shared_parameters`"
+                f"heads in the attribute `shared_parameters`"
             )
+        if shared and declared is None:
+            log.info("%s.%s %s: shared by all heads (selection per layer)", kernel.name, name, tuple(p.shape))
         names.append(name)
         params.append(p)
-        lead.append(0 if name in shared else 1)
+        lead.append(0 if shared else 1)
     return names, params, lead
 
 
@@ -413,7 +427,9 @@ def calibrate_layer(
         kernel = kernel()
         if not isinstance(kernel, AttentionKernel):
             raise ValueError(f"kernel: the factory returned {type(kernel).__name__}, not an AttentionKernel")
-    kernel = copy.deepcopy(kernel).float().cpu()
+    kernel = copy.deepcopy(kernel).cpu()
+    for p in kernel.parameters():  # parameters are optimised in FP32 (App. B); buffers keep their dtype
+        p.data = p.data.float()
     train, val = check_qkv(train, "train"), check_qkv(val, "val")
     for name, data in (("train", train), ("val", val)):
         Hq, Hkv, d = data.q.shape[1], data.k.shape[1], data.q.shape[3]
@@ -461,9 +477,18 @@ def calibrate_layer(
             seconds=0.0,
             timings=timings,
         )
-    result.meta = {**meta, **result.meta}
+    result.meta = {**meta, **result.meta, "kernel_config": _config_of(kernel)}
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _config_of(kernel: AttentionKernel) -> dict[str, Any] | None:
+    """``oal.kernels.registry.kernel_config`` (what rebuilds the kernel before its state is loaded), or None
+    for kernels the registry does not know."""
+    try:
+        return kernel_config(kernel)
+    except ValueError:
+        return None
 
 
 def _calibrate_grouped(
@@ -511,7 +536,13 @@ def _calibrate_grouped(
     g_chosen, L_global = g_stage.select()
     global_kernel = GlobalQuadraticKernel(Hq, Hkv, d, eps=eps, L=L_global)
     global_result = _result(global_kernel, config.global_inits, g_stage, g_chosen, time.perf_counter() - t0)
-    global_result.meta = {"num_heads": Hq, "num_kv_heads": Hkv, "head_dim": d, "eps": eps}
+    global_result.meta = {
+        "num_heads": Hq,
+        "num_kv_heads": Hkv,
+        "head_dim": d,
+        "eps": eps,
+        "kernel_config": _config_of(global_kernel),
+    }
     if is_global:
         global_result.timings = timings
         return global_result

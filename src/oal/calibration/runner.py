@@ -29,7 +29,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..kernels import AttentionKernel, GlobalQuadraticKernel, OALKernel
+from ..kernels import AttentionKernel
+from ..kernels.registry import kernel_from_config
 from .config import QKV, CalibrationConfig
 from .layer import LayerResult, calibrate_layer
 
@@ -216,17 +217,14 @@ def load_calibrated_state(path: str | os.PathLike, layer: int) -> dict[str, torc
 
 
 def load_calibrated(path: str | os.PathLike, layer: int, kernel: AttentionKernel | None = None) -> AttentionKernel:
-    """Load one layer's calibrated parameters into ``kernel`` (strictly), or, for OAL and the learned global
-    quadratic, build the kernel from the stored state and summary when ``kernel`` is None."""
+    """Load one layer's calibrated parameters into ``kernel`` (strictly) or, when ``kernel`` is None, into a
+    kernel rebuilt from the stored registry config (``oal.kernels.registry.kernel_from_config``)."""
     state = load_calibrated_state(path, layer)
-    if kernel is not None:
-        kernel.load_state_dict(state, strict=True)
-        return kernel
-    summary = json.loads((_params_file(path).parent / "summary.json").read_text())
-    entry = summary["layers"][str(layer)]
-    meta, L = entry["meta"], state["L"]
-    if entry["kernel"] == "oal":
-        return OALKernel(state["groups"], meta["num_kv_heads"], num_groups=L.shape[-1] - 1, eps=meta["eps"], L=L)
-    if entry["kernel"] == "global":
-        return GlobalQuadraticKernel(meta["num_heads"], meta["num_kv_heads"], meta["head_dim"], eps=meta["eps"], L=L)
-    raise ValueError(f"kernel: a {entry['kernel']!r} kernel cannot be rebuilt from its state; pass an instance")
+    if kernel is None:
+        summary = json.loads((_params_file(path).parent / "summary.json").read_text())
+        config = summary["layers"][str(layer)]["meta"].get("kernel_config")
+        if config is None:
+            raise ValueError(f"kernel: layer {layer} holds a kernel the registry cannot rebuild; pass an instance")
+        kernel = kernel_from_config(config)
+    kernel.load_state_dict(state, strict=True)
+    return kernel
