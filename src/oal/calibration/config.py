@@ -60,7 +60,7 @@ class CalibrationConfig:
         (seeded). ``None`` makes every position eligible (the paper's wording); a pool lets the fast path
         precompute output statistics once and reuse them across updates and initialisations. On SmolLM2
         layers 4/12/20 (N = 2048), pools of 64 and 256 and all positions gave held-out MSEs within ±1 % of
-        each other, all positions costing 3–5× more (see the calibration notes).
+        each other, all positions costing 3–5× more (docs/calibration.md).
       * ``val_positions``: fixed seeded query positions per validation sequence (``None``: all positions),
         drawn before the pools so they do not depend on the training options.
       * ``global_inits``: initialisations of the learned global quadratic, from ``GLOBAL_INITS``.
