@@ -86,6 +86,8 @@ class SpectraFormerKernel(FeatureKernel):
 
     name = "spectraformer"
     _config_keys = ("eps", "dtype")
+    # one FastFood map per layer (F.1): calibration selects these per layer, not per head
+    shared_parameters = ("ff_B", "ff_G", "ff_S")
 
     def __init__(
         self,
