@@ -139,7 +139,8 @@ def chunk_quadratic_attention(
             state = torch.zeros(B, Dc, dv + 1, dtype=cdt, device=dev)
         else:
             state = initial_state[:, h].to(cdt)[:, canon_of_cyc]
-        seen = state[:, None, :1, dv:].detach().clone()  # (B, 1, 1, 1): keys before this segment
+        # keys before this segment: H0's count channel, canonical row 0 (cyclic position cyc_of_canon[0])
+        seen = state[:, None, cyc_of_canon[0], dv].detach().clone().view(B, 1, 1, 1)
 
         for start in range(0, N, cs):
             end = min(start + cs, N)

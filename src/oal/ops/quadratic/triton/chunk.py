@@ -1,0 +1,445 @@
+"""Chunked quadratic-kernel attention on Triton: the same contract as :func:`oal.ops.chunk_quadratic_attention`.
+
+Forward, per window of chunks (fla's ``chunk_fwd_h`` / ``chunk_fwd_o`` split):
+
+1. ``chunk_fwd_h`` passes the fp32 state across the window's chunks, one program per (feature block, dv block,
+   KV head) holding its state tile in registers, and writes a snapshot of the state before every chunk
+   (in the dot dtype: bf16 for half inputs). This is the only sequential loop; it runs 2·(2 + ⌊d/2⌋ + 1)·B·Hkv
+   programs side by side, and its GEMMs are ``[block, chunk] @ [chunk, dv]``.
+2. ``chunk_fwd_o`` computes every chunk of every query head in parallel: ``[chunk, block] @ [block, dv]``
+   readouts of the snapshot over all feature blocks (the query features never touch memory), the exact
+   within-chunk kernel, and the normalisation. The G query heads of a KV head run as neighbouring programs, so
+   each snapshot is read from HBM once and from L2 by the rest of the group.
+
+Why snapshots and not one sequential program per KV head: the state is ``D·(dv+1)`` fp32 (558 KB at d = 64),
+too large for one SM, and B·Hkv is tiny (2 in the benchmark), so a per-head loop would use 2 of 132 SMs.
+Snapshots trade memory for parallelism; to bound it, the sequence is cut into windows whose snapshots fit
+``snapshot_budget`` bytes, the fp32 state carrying over between windows.
+
+Backward recomputes the snapshots window by window from saved window-start states (a few states, not one per
+chunk), runs the reverse state pass ``chunk_bwd_dh`` (dS_c summed over the G query heads), then ``chunk_bwd_dq``
+and ``chunk_bwd_dkv``. Only ``o``, the fp32 denominators ``(B, Hq, N)`` and the window-start states are kept.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ..utils import (
+    KernelFactor,
+    check_coefficients,
+    check_factor,
+    check_floor,
+    check_qkv,
+    check_state,
+    default_scale,
+    feature_dim,
+    query_weights,
+)
+from .utils import (
+    Consts,
+    accum_dtype,
+    block_table,
+    consts,
+    last_dim_contiguous,
+    snapshot_dtype,
+    strides3,
+    unsupported_reason,
+)
+
+#: Default bound on the per-chunk state snapshots of one window (forward; twice this in backward).
+DEFAULT_SNAPSHOT_BUDGET = 64 * 2**20
+
+
+class _Cfg(NamedTuple):
+    chunk: int
+    floor: float | None
+    budget: int
+
+
+def _kernels():
+    from . import kernels
+
+    return kernels
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _state_block_v(cst: Consts, programs_per_v: int, device: torch.device) -> int:
+    """dv tile of the state-passing kernels: split dv until the grid covers the GPU twice (min 32 wide)."""
+    bv = cst.BV
+    while bv > 32 and programs_per_v * math.ceil(cst.DV / bv) < 2 * _num_sms(device):
+        bv //= 2
+    return bv
+
+
+def window_chunks(
+    B: int, Hkv: int, d: int, dv: int, n_chunks: int, dtype: torch.dtype, budget: int, backward: bool
+) -> int:
+    """Chunks per window so that one window's snapshots (two sets in backward) stay within ``budget`` bytes;
+    windows are balanced so the last one is not a sliver."""
+    D = feature_dim(d)
+    per_chunk = B * Hkv * D * (dv * snapshot_dtype(dtype).itemsize + accum_dtype(dtype).itemsize)
+    per_chunk *= 2 if backward else 1
+    most = max(1, budget // per_chunk)
+    windows = math.ceil(n_chunks / most)
+    return math.ceil(n_chunks / windows)
+
+
+def _warps(BT: int) -> int:
+    return 4 if BT <= 64 else 8
+
+
+def _bwd_warps(BT: int) -> int:
+    # the backward programs hold ~8 [BT, BK] fp32 tiles at once
+    return 4 if BT <= 32 else 8
+
+
+def _launch_fwd_h(k, v, tab, state, h, hden, t0: int, N: int, nc: int, BT: int, cst: Consts) -> None:
+    B, Hkv = k.shape[:2]
+    bv = _state_block_v(cst, cst.NBLK * B * Hkv, k.device)
+    grid = (cst.NBLK, math.ceil(cst.DV / bv), B * Hkv)
+    _kernels().chunk_fwd_h[grid](
+        k,
+        v,
+        tab,
+        state,
+        h,
+        hden,
+        *strides3(k),
+        *strides3(v),
+        t0,
+        N,
+        nc,
+        Hkv,
+        D_HEAD=cst.D_HEAD,
+        DV=cst.DV,
+        D_FEAT=cst.D_FEAT,
+        NBLK=cst.NBLK,
+        BT=BT,
+        BK=cst.BK,
+        BV=bv,
+        DT=cst.DT,
+        ADT=cst.ADT,
+        INTERP=cst.INTERP,
+        num_warps=4,
+    )
+
+
+def _launch_fwd_o(
+    q, k, v, tab, qw, fac, h, hden, o, den, t0, N, nc, BT, floor, cst: Consts, *, intra: bool = True
+) -> None:
+    B, Hq = q.shape[:2]
+    G = Hq // k.shape[1]
+    c0, fc, fw = fac if fac is not None else (qw, qw, qw)
+    R = fc.shape[-1] if fac is not None else 0
+    _kernels().chunk_fwd_o[(B * Hq, nc)](
+        q,
+        k,
+        v,
+        tab,
+        qw,
+        c0,
+        fc,
+        fw,
+        h,
+        hden,
+        o,
+        den if den is not None else o,
+        *strides3(q),
+        *strides3(k),
+        *strides3(v),
+        *strides3(o),
+        t0,
+        N,
+        nc,
+        Hq,
+        G,
+        R,
+        float(floor or 0.0),
+        D_HEAD=cst.D_HEAD,
+        DV=cst.DV,
+        D_FEAT=cst.D_FEAT,
+        NBLK=cst.NBLK,
+        BT=BT,
+        BK=cst.BK,
+        BV=cst.BV,
+        FACTOR=fac is not None,
+        INTRA=intra,
+        HAS_FLOOR=floor is not None,
+        STORE_DEN=den is not None,
+        DT=cst.DT,
+        ADT=cst.ADT,
+        INTERP=cst.INTERP,
+        num_warps=_warps(BT),
+        num_stages=2,
+    )
+
+
+def _windows(N: int, BT: int, wc: int) -> list[tuple[int, int]]:
+    """(first token, chunks) of each window."""
+    n_chunks = math.ceil(N / BT)
+    return [(c * BT, min(wc, n_chunks - c)) for c in range(0, n_chunks, wc)]
+
+
+def _forward(q, k, v, qw, fac, init, cfg: _Cfg, keep: bool):
+    B, Hq, N, d = q.shape
+    Hkv, dv = k.shape[1], v.shape[-1]
+    cst = consts(d, dv, q.dtype)
+    adt = accum_dtype(q.dtype)
+    BT = cfg.chunk
+    state = torch.zeros(B, Hkv, cst.D_FEAT, dv + 1, dtype=adt, device=q.device)
+    if init is not None:
+        state.copy_(init)
+    # with a backward to come, windows are sized for it (two snapshot sets) so its windows are these
+    wc = window_chunks(B, Hkv, d, dv, math.ceil(N / BT), q.dtype, cfg.budget, backward=keep)
+    h = torch.empty(B * Hkv * wc * cst.D_FEAT * dv, dtype=snapshot_dtype(q.dtype), device=q.device)
+    hden = torch.empty(B * Hkv * wc * cst.D_FEAT, dtype=adt, device=q.device)
+    o = torch.empty(B, Hq, N, dv, dtype=q.dtype, device=q.device)
+    den = torch.empty(B, Hq, N, dtype=adt, device=q.device) if keep else None
+    tab = block_table(d, q.device)
+    starts = []
+    for t0, nc in _windows(N, BT, wc):
+        if keep:
+            starts.append(state.clone())
+        _launch_fwd_h(k, v, tab, state, h, hden, t0, N, nc, BT, cst)
+        _launch_fwd_o(q, k, v, tab, qw, fac, h, hden, o, den, t0, N, nc, BT, cfg.floor, cst)
+    return o, state, den, starts
+
+
+def _backward(q, k, v, qw, fac, o, den, starts, do, dfinal, cfg: _Cfg):
+    B, Hq, N, d = q.shape
+    Hkv, dv = k.shape[1], v.shape[-1]
+    G = Hq // Hkv
+    cst = consts(d, dv, q.dtype)
+    adt = accum_dtype(q.dtype)
+    BT = cfg.chunk
+    kern = _kernels()
+    dev = q.device
+
+    # dU_i = [do_i / den_i, δ_i]: δ is the denominator's gradient, zero where the floor clamp is active
+    do = last_dim_contiguous(do)
+    if cfg.floor is not None:
+        seen = starts[0][:, :, 0, dv].repeat_interleave(G, dim=1)  # keys before this segment, per query head
+        bound = cfg.floor * (seen[..., None] + torch.arange(1, N + 1, device=dev, dtype=adt))
+        den_c = torch.maximum(den, bound)
+        live = den >= bound
+    else:
+        den_c, live = den, None
+    delta = -(do.to(adt) * o.to(adt)).sum(-1) / den_c
+    if live is not None:
+        delta = torch.where(live, delta, torch.zeros_like(delta))
+    den_c = den_c.contiguous()
+
+    dstate = torch.zeros(B, Hkv, cst.D_FEAT, dv + 1, dtype=adt, device=dev)
+    if dfinal is not None:
+        dstate.copy_(dfinal)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv_ = torch.empty_like(v)
+    dqw = torch.zeros(qw.shape, dtype=adt, device=dev)
+    if fac is not None:
+        c0, fc, fw = fac
+        dfac = tuple(torch.zeros(x.shape, dtype=adt, device=dev) for x in fac)
+        R = fc.shape[-1]
+    else:
+        c0 = fc = fw = qw
+        dfac = (dqw, dqw, dqw)
+        R = 0
+
+    wc = window_chunks(B, Hkv, d, dv, math.ceil(N / BT), q.dtype, cfg.budget, backward=True)
+    sdt = snapshot_dtype(q.dtype)
+    h = torch.empty(B * Hkv * wc * cst.D_FEAT * dv, dtype=sdt, device=dev)
+    hden = torch.empty(B * Hkv * wc * cst.D_FEAT, dtype=adt, device=dev)
+    dh = torch.empty_like(h)
+    dhden = torch.empty_like(hden)
+    bv = _state_block_v(cst, cst.NBLK * B * Hkv, dev)
+    tab = block_table(d, dev)
+    common = dict(
+        D_HEAD=cst.D_HEAD, DV=cst.DV, D_FEAT=cst.D_FEAT, NBLK=cst.NBLK, BT=BT, BK=cst.BK, DT=cst.DT, ADT=cst.ADT
+    )
+    windows = _windows(N, BT, wc)
+    if len(windows) != len(starts):
+        raise RuntimeError(f"backward windows ({len(windows)}) do not match the forward's ({len(starts)})")
+    for (t0, nc), start in zip(reversed(windows), reversed(starts), strict=True):
+        state = start.clone()
+        _launch_fwd_h(k, v, tab, state, h, hden, t0, N, nc, BT, cst)
+        kern.chunk_bwd_dh[(cst.NBLK, math.ceil(dv / bv), B * Hkv)](
+            q,
+            tab,
+            qw,
+            do,
+            den_c,
+            delta,
+            dstate,
+            dh,
+            dhden,
+            *strides3(q),
+            *strides3(do),
+            t0,
+            N,
+            nc,
+            Hkv,
+            G,
+            BV=bv,
+            INTERP=cst.INTERP,
+            num_warps=4,
+            **common,
+        )
+        kern.chunk_bwd_dq[(B * Hq, nc)](
+            q,
+            k,
+            v,
+            tab,
+            qw,
+            c0,
+            fc,
+            fw,
+            h,
+            hden,
+            do,
+            den_c,
+            delta,
+            dq,
+            dqw,
+            *dfac,
+            *strides3(q),
+            *strides3(k),
+            *strides3(v),
+            *strides3(do),
+            *strides3(dq),
+            t0,
+            N,
+            nc,
+            Hq,
+            G,
+            R,
+            BV=cst.BV,
+            FACTOR=fac is not None,
+            INTERP=cst.INTERP,
+            num_warps=_bwd_warps(BT),
+            **common,
+        )
+        kern.chunk_bwd_dkv[(B * Hkv, nc)](
+            q,
+            k,
+            v,
+            tab,
+            qw,
+            c0,
+            fc,
+            fw,
+            dh,
+            dhden,
+            do,
+            den_c,
+            delta,
+            dk,
+            dv_,
+            *strides3(q),
+            *strides3(k),
+            *strides3(v),
+            *strides3(do),
+            *strides3(dk),
+            *strides3(dv_),
+            t0,
+            N,
+            nc,
+            Hkv,
+            G,
+            R,
+            BV=cst.BV,
+            FACTOR=fac is not None,
+            INTERP=cst.INTERP,
+            num_warps=_bwd_warps(BT),
+            **common,
+        )
+    return dq, dk, dv_, dqw, (dfac if fac is not None else None), dstate
+
+
+class ChunkQuadraticFunction(torch.autograd.Function):
+    """Autograd wrapper: inputs ``q, k, v``, the canonical query weights ``qw (Hq, D)`` (Eq. 6), the factor
+    ``(c0, c, scale·W)`` or Nones, and the initial state; outputs ``o`` and the final state."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, qw, c0, fc, fw, init, cfg: _Cfg):
+        fac = None if c0 is None else (c0, fc, fw)
+        keep = any(ctx.needs_input_grad)
+        o, final, den, starts = _forward(q, k, v, qw, fac, init, cfg, keep)
+        if keep:
+            ctx.save_for_backward(q, k, v, qw, c0, fc, fw, o, den, *starts)
+            ctx.cfg = cfg
+            ctx.init_dtype = None if init is None else init.dtype
+        ctx.set_materialize_grads(False)
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        q, k, v, qw, c0, fc, fw, o, den, *starts = ctx.saved_tensors
+        fac = None if c0 is None else (c0, fc, fw)
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv, dqw, dfac, dstate = _backward(q, k, v, qw, fac, o, den, starts, do, dfinal, ctx.cfg)
+        dc0, dfc, dfw = (None, None, None) if dfac is None else (x.to(y.dtype) for x, y in zip(dfac, fac, strict=True))
+        dinit = None if ctx.init_dtype is None else dstate.to(ctx.init_dtype)
+        return dq, dk, dv, dqw.to(qw.dtype), dc0, dfc, dfw, dinit, None
+
+
+def chunk_quadratic_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    factor: KernelFactor | None = None,
+    kernel_floor: float | None = None,
+    snapshot_budget: int = DEFAULT_SNAPSHOT_BUDGET,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked causal quadratic-kernel attention on Triton; arguments and results as in
+    :func:`oal.ops.quadratic_attention` (``mode="chunk"``).
+
+    ``chunk_size`` must be one of :data:`CHUNK_SIZES`; it need not divide N. ``snapshot_budget`` bounds the bytes
+    of per-chunk state snapshots held at once (the sequence is processed in windows that fit it; results do
+    not depend on it). Differentiable in q, k, v, a, b, C, the factor and the initial state; the final state is
+    fp32 (fp64 for fp64 inputs) in the canonical packed layout.
+    """
+    dims = check_qkv(q, k, v)
+    check_coefficients(a, b, C, dims)
+    if factor is not None:
+        check_factor(factor, dims)
+    if initial_state is not None:
+        check_state(initial_state, dims)
+    check_floor(kernel_floor)
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
+    if not isinstance(snapshot_budget, int) or snapshot_budget < 1:
+        raise ValueError(f"snapshot_budget: expected a positive number of bytes, got {snapshot_budget!r}")
+    reason = unsupported_reason(q, v, chunk_size)
+    if reason is not None:
+        raise ValueError(f"backend='triton': {reason}")
+    s = default_scale(dims.d, scale)
+    adt = accum_dtype(q.dtype)
+    qw = query_weights(a.to(adt), b.to(adt), C.to(adt), s).contiguous()
+    if factor is not None:
+        c0 = factor.c0.to(adt).contiguous()
+        fc = factor.c.to(adt).contiguous()
+        fw = (factor.W.to(adt) * s).contiguous()
+    else:
+        c0 = fc = fw = None
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+    cfg = _Cfg(chunk=chunk_size, floor=kernel_floor, budget=snapshot_budget)
+    o, final = ChunkQuadraticFunction.apply(q, k, v, qw, c0, fc, fw, initial_state, cfg)
+    return o, (final if output_final_state else None)
