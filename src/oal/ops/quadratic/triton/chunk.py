@@ -24,6 +24,7 @@ and ``chunk_bwd_dkv``. Only ``o``, the fp32 denominators ``(B, Hq, N)`` and the 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -36,16 +37,17 @@ from ..utils import (
     check_qkv,
     check_state,
     default_scale,
-    feature_dim,
     query_weights,
 )
 from .utils import (
     Consts,
     accum_dtype,
     block_table,
+    block_weights,
     consts,
     last_dim_contiguous,
     snapshot_dtype,
+    snapshot_rows,
     strides3,
     unsupported_reason,
 )
@@ -85,19 +87,38 @@ def window_chunks(
 ) -> int:
     """Chunks per window so that one window's snapshots (two sets in backward) stay within ``budget`` bytes;
     windows are balanced so the last one is not a sliver."""
-    D = feature_dim(d)
-    per_chunk = B * Hkv * D * (dv * snapshot_dtype(dtype).itemsize + accum_dtype(dtype).itemsize)
+    rows = snapshot_rows(d)
+    per_chunk = B * Hkv * rows * (dv * snapshot_dtype(dtype).itemsize + accum_dtype(dtype).itemsize)
     per_chunk *= 2 if backward else 1
     most = max(1, budget // per_chunk)
     windows = math.ceil(n_chunks / most)
     return math.ceil(n_chunks / windows)
 
 
+@dataclass
+class LaunchConfig:
+    """Warps and pipeline stages of the chunked kernels (None: by chunk size). Results never depend on these;
+    ``benchmarks/gpu_check.py`` sets them while it tunes."""
+
+    fwd_o_warps: int | None = None
+    fwd_o_stages: int = 2
+    fwd_h_warps: int = 4
+    fwd_h_stages: int = 3
+    bwd_warps: int | None = None
+
+
+LAUNCH = LaunchConfig()
+
+
 def _warps(BT: int) -> int:
+    if LAUNCH.fwd_o_warps is not None:
+        return LAUNCH.fwd_o_warps
     return 4 if BT <= 64 else 8
 
 
 def _bwd_warps(BT: int) -> int:
+    if LAUNCH.bwd_warps is not None:
+        return LAUNCH.bwd_warps
     # the backward programs hold ~8 [BT, BK] fp32 tiles at once
     return 4 if BT <= 32 else 8
 
@@ -105,7 +126,8 @@ def _bwd_warps(BT: int) -> int:
 def _launch_fwd_h(k, v, tab, state, h, hden, t0: int, N: int, nc: int, BT: int, cst: Consts) -> None:
     B, Hkv = k.shape[:2]
     bv = _state_block_v(cst, cst.NBLK * B * Hkv, k.device)
-    grid = (cst.NBLK, math.ceil(cst.DV / bv), B * Hkv)
+    nv = math.ceil(cst.DV / bv)
+    grid = (cst.NBLK, nv + 1, B * Hkv)  # the extra dv block carries the denominator column
     _kernels().chunk_fwd_h[grid](
         k,
         v,
@@ -126,26 +148,25 @@ def _launch_fwd_h(k, v, tab, state, h, hden, t0: int, N: int, nc: int, BT: int, 
         BT=BT,
         BK=cst.BK,
         BV=bv,
+        NV=nv,
         DT=cst.DT,
         ADT=cst.ADT,
         INTERP=cst.INTERP,
-        num_warps=4,
+        num_warps=LAUNCH.fwd_h_warps,
+        num_stages=LAUNCH.fwd_h_stages,
     )
 
 
-def _launch_fwd_o(
-    q, k, v, tab, qw, fac, h, hden, o, den, t0, N, nc, BT, floor, cst: Consts, *, intra: bool = True
-) -> None:
+def _launch_fwd_o(q, k, v, qwb, fac, h, hden, o, den, t0, N, nc, BT, floor, cst: Consts, *, intra: bool = True) -> None:
     B, Hq = q.shape[:2]
     G = Hq // k.shape[1]
-    c0, fc, fw = fac if fac is not None else (qw, qw, qw)
+    c0, fc, fw = fac if fac is not None else (qwb, qwb, qwb)
     R = fc.shape[-1] if fac is not None else 0
     _kernels().chunk_fwd_o[(B * Hq, nc)](
         q,
         k,
         v,
-        tab,
-        qw,
+        qwb,
         c0,
         fc,
         fw,
@@ -166,7 +187,6 @@ def _launch_fwd_o(
         float(floor or 0.0),
         D_HEAD=cst.D_HEAD,
         DV=cst.DV,
-        D_FEAT=cst.D_FEAT,
         NBLK=cst.NBLK,
         BT=BT,
         BK=cst.BK,
@@ -179,7 +199,7 @@ def _launch_fwd_o(
         ADT=cst.ADT,
         INTERP=cst.INTERP,
         num_warps=_warps(BT),
-        num_stages=2,
+        num_stages=LAUNCH.fwd_o_stages,
     )
 
 
@@ -189,7 +209,14 @@ def _windows(N: int, BT: int, wc: int) -> list[tuple[int, int]]:
     return [(c * BT, min(wc, n_chunks - c)) for c in range(0, n_chunks, wc)]
 
 
-def _forward(q, k, v, qw, fac, init, cfg: _Cfg, keep: bool):
+def _snapshots(B: int, Hkv: int, wc: int, cst: Consts, dtype: torch.dtype, device: torch.device):
+    """Block-ordered snapshot buffers of one window: ``h`` (dot dtype) and ``hden`` (fp32)."""
+    rows = B * Hkv * wc * cst.NBLK * cst.BK
+    h = torch.empty(rows * cst.DV, dtype=snapshot_dtype(dtype), device=device)
+    return h, torch.empty(rows, dtype=accum_dtype(dtype), device=device)
+
+
+def _forward(q, k, v, qwb, fac, init, cfg: _Cfg, keep: bool):
     B, Hq, N, d = q.shape
     Hkv, dv = k.shape[1], v.shape[-1]
     cst = consts(d, dv, q.dtype)
@@ -200,8 +227,7 @@ def _forward(q, k, v, qw, fac, init, cfg: _Cfg, keep: bool):
         state.copy_(init)
     # with a backward to come, windows are sized for it (two snapshot sets) so its windows are these
     wc = window_chunks(B, Hkv, d, dv, math.ceil(N / BT), q.dtype, cfg.budget, backward=keep)
-    h = torch.empty(B * Hkv * wc * cst.D_FEAT * dv, dtype=snapshot_dtype(q.dtype), device=q.device)
-    hden = torch.empty(B * Hkv * wc * cst.D_FEAT, dtype=adt, device=q.device)
+    h, hden = _snapshots(B, Hkv, wc, cst, q.dtype, q.device)
     o = torch.empty(B, Hq, N, dv, dtype=q.dtype, device=q.device)
     den = torch.empty(B, Hq, N, dtype=adt, device=q.device) if keep else None
     tab = block_table(d, q.device)
@@ -210,11 +236,11 @@ def _forward(q, k, v, qw, fac, init, cfg: _Cfg, keep: bool):
         if keep:
             starts.append(state.clone())
         _launch_fwd_h(k, v, tab, state, h, hden, t0, N, nc, BT, cst)
-        _launch_fwd_o(q, k, v, tab, qw, fac, h, hden, o, den, t0, N, nc, BT, cfg.floor, cst)
+        _launch_fwd_o(q, k, v, qwb, fac, h, hden, o, den, t0, N, nc, BT, cfg.floor, cst)
     return o, state, den, starts
 
 
-def _backward(q, k, v, qw, fac, o, den, starts, do, dfinal, cfg: _Cfg):
+def _backward(q, k, v, qwb, fac, o, den, starts, do, dfinal, cfg: _Cfg):
     B, Hq, N, d = q.shape
     Hkv, dv = k.shape[1], v.shape[-1]
     G = Hq // Hkv
@@ -244,27 +270,23 @@ def _backward(q, k, v, qw, fac, o, den, starts, do, dfinal, cfg: _Cfg):
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv_ = torch.empty_like(v)
-    dqw = torch.zeros(qw.shape, dtype=adt, device=dev)
+    dqwb = torch.zeros(qwb.shape, dtype=adt, device=dev)
     if fac is not None:
         c0, fc, fw = fac
         dfac = tuple(torch.zeros(x.shape, dtype=adt, device=dev) for x in fac)
         R = fc.shape[-1]
     else:
-        c0 = fc = fw = qw
-        dfac = (dqw, dqw, dqw)
+        c0 = fc = fw = qwb
+        dfac = (dqwb, dqwb, dqwb)  # never written: FACTOR=False
         R = 0
 
     wc = window_chunks(B, Hkv, d, dv, math.ceil(N / BT), q.dtype, cfg.budget, backward=True)
-    sdt = snapshot_dtype(q.dtype)
-    h = torch.empty(B * Hkv * wc * cst.D_FEAT * dv, dtype=sdt, device=dev)
-    hden = torch.empty(B * Hkv * wc * cst.D_FEAT, dtype=adt, device=dev)
-    dh = torch.empty_like(h)
-    dhden = torch.empty_like(hden)
+    h, hden = _snapshots(B, Hkv, wc, cst, q.dtype, dev)
+    dh, dhden = _snapshots(B, Hkv, wc, cst, q.dtype, dev)
     bv = _state_block_v(cst, cst.NBLK * B * Hkv, dev)
     tab = block_table(d, dev)
-    common = dict(
-        D_HEAD=cst.D_HEAD, DV=cst.DV, D_FEAT=cst.D_FEAT, NBLK=cst.NBLK, BT=BT, BK=cst.BK, DT=cst.DT, ADT=cst.ADT
-    )
+    shape = dict(D_HEAD=cst.D_HEAD, DV=cst.DV, NBLK=cst.NBLK, BT=BT, BK=cst.BK, DT=cst.DT, ADT=cst.ADT)
+    warps = _bwd_warps(BT)
     windows = _windows(N, BT, wc)
     if len(windows) != len(starts):
         raise RuntimeError(f"backward windows ({len(windows)}) do not match the forward's ({len(starts)})")
@@ -274,7 +296,7 @@ def _backward(q, k, v, qw, fac, o, den, starts, do, dfinal, cfg: _Cfg):
         kern.chunk_bwd_dh[(cst.NBLK, math.ceil(dv / bv), B * Hkv)](
             q,
             tab,
-            qw,
+            qwb,
             do,
             den_c,
             delta,
@@ -288,17 +310,17 @@ def _backward(q, k, v, qw, fac, o, den, starts, do, dfinal, cfg: _Cfg):
             nc,
             Hkv,
             G,
+            D_FEAT=cst.D_FEAT,
             BV=bv,
             INTERP=cst.INTERP,
             num_warps=4,
-            **common,
+            **shape,
         )
         kern.chunk_bwd_dq[(B * Hq, nc)](
             q,
             k,
             v,
-            tab,
-            qw,
+            qwb,
             c0,
             fc,
             fw,
@@ -308,7 +330,7 @@ def _backward(q, k, v, qw, fac, o, den, starts, do, dfinal, cfg: _Cfg):
             den_c,
             delta,
             dq,
-            dqw,
+            dqwb,
             *dfac,
             *strides3(q),
             *strides3(k),
@@ -324,15 +346,14 @@ def _backward(q, k, v, qw, fac, o, den, starts, do, dfinal, cfg: _Cfg):
             BV=cst.BV,
             FACTOR=fac is not None,
             INTERP=cst.INTERP,
-            num_warps=_bwd_warps(BT),
-            **common,
+            num_warps=warps,
+            **shape,
         )
         kern.chunk_bwd_dkv[(B * Hkv, nc)](
             q,
             k,
             v,
-            tab,
-            qw,
+            qwb,
             c0,
             fc,
             fw,
@@ -358,23 +379,24 @@ def _backward(q, k, v, qw, fac, o, den, starts, do, dfinal, cfg: _Cfg):
             BV=cst.BV,
             FACTOR=fac is not None,
             INTERP=cst.INTERP,
-            num_warps=_bwd_warps(BT),
-            **common,
+            num_warps=warps,
+            **shape,
         )
-    return dq, dk, dv_, dqw, (dfac if fac is not None else None), dstate
+    return dq, dk, dv_, dqwb, (dfac if fac is not None else None), dstate
 
 
 class ChunkQuadraticFunction(torch.autograd.Function):
-    """Autograd wrapper: inputs ``q, k, v``, the canonical query weights ``qw (Hq, D)`` (Eq. 6), the factor
-    ``(c0, c, scale·W)`` or Nones, and the initial state; outputs ``o`` and the final state."""
+    """Autograd wrapper: inputs ``q, k, v``, the block-ordered query weights ``qwb (Hq, NBLK·BK)`` (Eq. 6, see
+    :func:`.utils.block_weights`), the factor ``(c0, c, scale·W)`` or Nones, and the initial state; outputs ``o``
+    and the final state."""
 
     @staticmethod
-    def forward(ctx, q, k, v, qw, c0, fc, fw, init, cfg: _Cfg):
+    def forward(ctx, q, k, v, qwb, c0, fc, fw, init, cfg: _Cfg):
         fac = None if c0 is None else (c0, fc, fw)
         keep = any(ctx.needs_input_grad)
-        o, final, den, starts = _forward(q, k, v, qw, fac, init, cfg, keep)
+        o, final, den, starts = _forward(q, k, v, qwb, fac, init, cfg, keep)
         if keep:
-            ctx.save_for_backward(q, k, v, qw, c0, fc, fw, o, den, *starts)
+            ctx.save_for_backward(q, k, v, qwb, c0, fc, fw, o, den, *starts)
             ctx.cfg = cfg
             ctx.init_dtype = None if init is None else init.dtype
         ctx.set_materialize_grads(False)
@@ -382,14 +404,14 @@ class ChunkQuadraticFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        q, k, v, qw, c0, fc, fw, o, den, *starts = ctx.saved_tensors
+        q, k, v, qwb, c0, fc, fw, o, den, *starts = ctx.saved_tensors
         fac = None if c0 is None else (c0, fc, fw)
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv, dqw, dfac, dstate = _backward(q, k, v, qw, fac, o, den, starts, do, dfinal, ctx.cfg)
+        dq, dk, dv, dqwb, dfac, dstate = _backward(q, k, v, qwb, fac, o, den, starts, do, dfinal, ctx.cfg)
         dc0, dfc, dfw = (None, None, None) if dfac is None else (x.to(y.dtype) for x, y in zip(dfac, fac, strict=True))
         dinit = None if ctx.init_dtype is None else dstate.to(ctx.init_dtype)
-        return dq, dk, dv, dqw.to(qw.dtype), dc0, dfc, dfw, dinit, None
+        return dq, dk, dv, dqwb.to(qwb.dtype), dc0, dfc, dfw, dinit, None
 
 
 def chunk_quadratic_attention_triton(
@@ -432,7 +454,7 @@ def chunk_quadratic_attention_triton(
         raise ValueError(f"backend='triton': {reason}")
     s = default_scale(dims.d, scale)
     adt = accum_dtype(q.dtype)
-    qw = query_weights(a.to(adt), b.to(adt), C.to(adt), s).contiguous()
+    qwb = block_weights(query_weights(a.to(adt), b.to(adt), C.to(adt), s), dims.d).contiguous()
     if factor is not None:
         c0 = factor.c0.to(adt).contiguous()
         fc = factor.c.to(adt).contiguous()
@@ -441,5 +463,5 @@ def chunk_quadratic_attention_triton(
         c0 = fc = fw = None
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     cfg = _Cfg(chunk=chunk_size, floor=kernel_floor, budget=snapshot_budget)
-    o, final = ChunkQuadraticFunction.apply(q, k, v, qw, c0, fc, fw, initial_state, cfg)
+    o, final = ChunkQuadraticFunction.apply(q, k, v, qwb, c0, fc, fw, initial_state, cfg)
     return o, (final if output_final_state else None)

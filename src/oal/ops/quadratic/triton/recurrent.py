@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..utils import check_coefficients, check_floor, check_qkv, check_state, default_scale, query_weights
-from .utils import accum_dtype, block_table, consts, last_dim_contiguous, strides3, unsupported_reason
+from .utils import accum_dtype, block_table, block_weights, consts, last_dim_contiguous, strides3, unsupported_reason
 
 
 def recurrent_quadratic_attention_triton(
@@ -67,7 +67,7 @@ def recurrent_quadratic_attention_triton(
             state_in = initial_state.to(adt).contiguous()
         state_out = torch.empty_like(state_in)
     with torch.no_grad():
-        qw = query_weights(a.to(adt), b.to(adt), C.to(adt), s).contiguous()
+        qwb = block_weights(query_weights(a.to(adt), b.to(adt), C.to(adt), s), d).contiguous()
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     from . import kernels
 
@@ -77,7 +77,7 @@ def recurrent_quadratic_attention_triton(
         k,
         v,
         block_table(d, q.device),
-        qw,
+        qwb,
         state_in,
         state_out,
         num,

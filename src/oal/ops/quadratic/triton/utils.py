@@ -137,6 +137,7 @@ def _block_table_cpu(d: int) -> torch.Tensor:
     for delta in range(npb):
         t = (r + delta) % d
         col1[2 + delta, :d] = r.int()
+        col2[2 + delta] = 0  # padding rows of pair blocks point at a real column: loads need no mask
         col2[2 + delta, :d] = t.int()
         rows = canon[torch.minimum(r, t), torch.maximum(r, t)]
         if 2 * delta == d:  # offset d/2 lists each pair twice: keep r < d/2
@@ -147,7 +148,19 @@ def _block_table_cpu(d: int) -> torch.Tensor:
 
 def block_table(d: int, device: torch.device) -> torch.Tensor:
     """``(3, NBLK, BK)`` int32: per feature block (0 constant, 1 linear, 2 + δ pairs at offset δ) and block row,
-    the column of the first factor, of the second (``d`` stands for the appended 1 of ``x' = [x, 1]``) and the
-    canonical packed-state row (-1 where the block row is padding or a duplicate pair). Every canonical row
-    appears exactly once."""
+    the column of the first factor, of the second (``d`` stands for the appended 1 of ``x' = [x, 1]``; padding
+    rows of pair blocks name columns d and 0) and the canonical packed-state row (-1 where the block row is padding or a
+    duplicate pair). Every canonical row appears exactly once."""
     return _block_table_cpu(d).to(device)
+
+
+def snapshot_rows(d: int) -> int:
+    """Rows of a block-ordered snapshot: NBLK·BK (a few more than D: padding and the duplicated δ = d/2 half)."""
+    return (2 + d // 2 + 1) * next_pow2(d)
+
+
+def block_weights(qw: torch.Tensor, d: int) -> torch.Tensor:
+    """Canonical query weights ``(Hq, D)`` in block order ``(Hq, NBLK·BK)``, zero on block rows that are not
+    state rows. Differentiable (a gather), so the kernels' gradient for this layout flows back to ``qw``."""
+    row = block_table(d, qw.device)[2].flatten().long()
+    return torch.where(row >= 0, qw[:, row.clamp(min=0)], torch.zeros((), dtype=qw.dtype, device=qw.device))
