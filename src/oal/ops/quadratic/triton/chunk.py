@@ -90,30 +90,34 @@ def window_chunks(
     rows = snapshot_rows(d)
     per_chunk = B * Hkv * rows * (dv * snapshot_dtype(dtype).itemsize + accum_dtype(dtype).itemsize)
     per_chunk *= 2 if backward else 1
-    most = max(1, budget // per_chunk)
+    # kernels index a window's snapshots with int32 offsets
+    most = max(1, min(budget // per_chunk, (2**31 - 1) // (rows * max(dv, 1))))
     windows = math.ceil(n_chunks / most)
     return math.ceil(n_chunks / windows)
 
 
 @dataclass
 class LaunchConfig:
-    """Warps and pipeline stages of the chunked kernels (None: by chunk size). Results never depend on these;
-    ``benchmarks/gpu_check.py`` sets them while it tunes."""
+    """Warps and pipeline stages of the chunked kernels (None: by chunk size), and whether the forward overlaps
+    a window's state passing with the previous window's readout on a second CUDA stream. Results never depend
+    on these; ``benchmarks/gpu_check.py`` sets them while it tunes."""
 
     fwd_o_warps: int | None = None
     fwd_o_stages: int = 2
     fwd_h_warps: int = 4
     fwd_h_stages: int = 3
     bwd_warps: int | None = None
+    overlap: bool = True
 
 
 LAUNCH = LaunchConfig()
 
 
-def _warps(BT: int) -> int:
+def _warps(BT: int, dtype: torch.dtype) -> int:
     if LAUNCH.fwd_o_warps is not None:
         return LAUNCH.fwd_o_warps
-    return 4 if BT <= 64 else 8
+    # fp32 tiles take twice the registers of bf16 ones
+    return 4 if BT <= 64 and dtype != torch.float32 else 8
 
 
 def _bwd_warps(BT: int) -> int:
@@ -198,7 +202,7 @@ def _launch_fwd_o(q, k, v, qwb, fac, h, hden, o, den, t0, N, nc, BT, floor, cst:
         DT=cst.DT,
         ADT=cst.ADT,
         INTERP=cst.INTERP,
-        num_warps=_warps(BT),
+        num_warps=_warps(BT, q.dtype),
         num_stages=LAUNCH.fwd_o_stages,
     )
 
@@ -217,6 +221,9 @@ def _snapshots(B: int, Hkv: int, wc: int, cst: Consts, dtype: torch.dtype, devic
 
 
 def _forward(q, k, v, qwb, fac, init, cfg: _Cfg, keep: bool):
+    """Windows of state passing then readout. On CUDA with several windows (and ``LAUNCH.overlap``), state
+    passing runs on a side stream into two alternating snapshot buffers, so that window w+1's sequential chunk
+    loop (a few hundred programs) overlaps window w's readout instead of leaving the GPU mostly idle."""
     B, Hq, N, d = q.shape
     Hkv, dv = k.shape[1], v.shape[-1]
     cst = consts(d, dv, q.dtype)
@@ -225,22 +232,61 @@ def _forward(q, k, v, qwb, fac, init, cfg: _Cfg, keep: bool):
     state = torch.zeros(B, Hkv, cst.D_FEAT, dv + 1, dtype=adt, device=q.device)
     if init is not None:
         state.copy_(init)
-    # with a backward to come, windows are sized for it (two snapshot sets) so its windows are these
-    wc = window_chunks(B, Hkv, d, dv, math.ceil(N / BT), q.dtype, cfg.budget, backward=keep)
-    h, hden = _snapshots(B, Hkv, wc, cst, q.dtype, q.device)
     o = torch.empty(B, Hq, N, dv, dtype=q.dtype, device=q.device)
     den = torch.empty(B, Hq, N, dtype=adt, device=q.device) if keep else None
     tab = block_table(d, q.device)
+    n_chunks = math.ceil(N / BT)
+    # with a backward to come, windows are sized for it (two snapshot sets) so its windows are these
+    wc = window_chunks(B, Hkv, d, dv, n_chunks, q.dtype, cfg.budget, backward=keep)
+    overlap = q.is_cuda and LAUNCH.overlap and wc < n_chunks
+    if overlap:  # two buffers in the same budget
+        wc = window_chunks(B, Hkv, d, dv, n_chunks, q.dtype, max(1, cfg.budget // 2), backward=keep)
+    windows = _windows(N, BT, wc)
+    bufs = [_snapshots(B, Hkv, wc, cst, q.dtype, q.device) for _ in range(2 if overlap else 1)]
     starts = []
-    for t0, nc in _windows(N, BT, wc):
-        if keep:
-            starts.append(state.clone())
-        _launch_fwd_h(k, v, tab, state, h, hden, t0, N, nc, BT, cst)
+    if not overlap:
+        h, hden = bufs[0]
+        for t0, nc in windows:
+            if keep:
+                starts.append(state.clone())
+            _launch_fwd_h(k, v, tab, state, h, hden, t0, N, nc, BT, cst)
+            _launch_fwd_o(q, k, v, qwb, fac, h, hden, o, den, t0, N, nc, BT, cfg.floor, cst)
+        return o, state, den, starts, wc
+    main = torch.cuda.current_stream(q.device)
+    side = _side_stream(q.device)
+    side.wait_stream(main)  # inputs and the initial state are ready
+    freed = [None, None]  # per buffer: event after the readout that last read it
+    for w, (t0, nc) in enumerate(windows):
+        h, hden = bufs[w % 2]
+        with torch.cuda.stream(side):
+            if freed[w % 2] is not None:
+                side.wait_event(freed[w % 2])
+            if keep:
+                start = state.clone()
+                start.record_stream(main)
+                starts.append(start)
+            _launch_fwd_h(k, v, tab, state, h, hden, t0, N, nc, BT, cst)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        main.wait_event(ready)
         _launch_fwd_o(q, k, v, qwb, fac, h, hden, o, den, t0, N, nc, BT, cfg.floor, cst)
-    return o, state, den, starts
+        freed[w % 2] = torch.cuda.Event()
+        freed[w % 2].record(main)
+    main.wait_stream(side)
+    return o, state, den, starts, wc
 
 
-def _backward(q, k, v, qwb, fac, o, den, starts, do, dfinal, cfg: _Cfg):
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def _backward(q, k, v, qwb, fac, o, den, starts, wc: int, do, dfinal, cfg: _Cfg):
+    """Gradients, window by window in reverse, with the forward's windows (``wc`` chunks each)."""
     B, Hq, N, d = q.shape
     Hkv, dv = k.shape[1], v.shape[-1]
     G = Hq // Hkv
@@ -280,7 +326,6 @@ def _backward(q, k, v, qwb, fac, o, den, starts, do, dfinal, cfg: _Cfg):
         dfac = (dqwb, dqwb, dqwb)  # never written: FACTOR=False
         R = 0
 
-    wc = window_chunks(B, Hkv, d, dv, math.ceil(N / BT), q.dtype, cfg.budget, backward=True)
     h, hden = _snapshots(B, Hkv, wc, cst, q.dtype, dev)
     dh, dhden = _snapshots(B, Hkv, wc, cst, q.dtype, dev)
     bv = _state_block_v(cst, cst.NBLK * B * Hkv, dev)
@@ -313,7 +358,7 @@ def _backward(q, k, v, qwb, fac, o, den, starts, do, dfinal, cfg: _Cfg):
             D_FEAT=cst.D_FEAT,
             BV=bv,
             INTERP=cst.INTERP,
-            num_warps=4,
+            num_warps=8,
             **shape,
         )
         kern.chunk_bwd_dq[(B * Hq, nc)](
@@ -394,10 +439,11 @@ class ChunkQuadraticFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, qwb, c0, fc, fw, init, cfg: _Cfg):
         fac = None if c0 is None else (c0, fc, fw)
         keep = any(ctx.needs_input_grad)
-        o, final, den, starts = _forward(q, k, v, qwb, fac, init, cfg, keep)
+        o, final, den, starts, wc = _forward(q, k, v, qwb, fac, init, cfg, keep)
         if keep:
             ctx.save_for_backward(q, k, v, qwb, c0, fc, fw, o, den, *starts)
             ctx.cfg = cfg
+            ctx.window_chunks = wc
             ctx.init_dtype = None if init is None else init.dtype
         ctx.set_materialize_grads(False)
         return o, final
@@ -408,7 +454,9 @@ class ChunkQuadraticFunction(torch.autograd.Function):
         fac = None if c0 is None else (c0, fc, fw)
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv, dqwb, dfac, dstate = _backward(q, k, v, qwb, fac, o, den, starts, do, dfinal, ctx.cfg)
+        dq, dk, dv, dqwb, dfac, dstate = _backward(
+            q, k, v, qwb, fac, o, den, starts, ctx.window_chunks, do, dfinal, ctx.cfg
+        )
         dc0, dfc, dfw = (None, None, None) if dfac is None else (x.to(y.dtype) for x, y in zip(dfac, fac, strict=True))
         dinit = None if ctx.init_dtype is None else dstate.to(ctx.init_dtype)
         return dq, dk, dv, dqwb.to(qwb.dtype), dc0, dfc, dfw, dinit, None
@@ -429,6 +477,7 @@ def chunk_quadratic_attention_triton(
     factor: KernelFactor | None = None,
     kernel_floor: float | None = None,
     snapshot_budget: int = DEFAULT_SNAPSHOT_BUDGET,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked causal quadratic-kernel attention on Triton; arguments and results as in
     :func:`oal.ops.quadratic_attention` (``mode="chunk"``).
@@ -436,25 +485,27 @@ def chunk_quadratic_attention_triton(
     ``chunk_size`` must be one of :data:`CHUNK_SIZES`; it need not divide N. ``snapshot_budget`` bounds the bytes
     of per-chunk state snapshots held at once (the sequence is processed in windows that fit it; results do
     not depend on it). Differentiable in q, k, v, a, b, C, the factor and the initial state; the final state is
-    fp32 (fp64 for fp64 inputs) in the canonical packed layout.
+    fp32 (fp64 for fp64 inputs) in the canonical packed layout. ``validate=False`` skips the input checks (their
+    NaN and symmetry tests synchronise with the GPU) for callers that checked once.
     """
-    dims = check_qkv(q, k, v)
-    check_coefficients(a, b, C, dims)
-    if factor is not None:
-        check_factor(factor, dims)
-    if initial_state is not None:
-        check_state(initial_state, dims)
-    check_floor(kernel_floor)
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
-    if not isinstance(snapshot_budget, int) or snapshot_budget < 1:
-        raise ValueError(f"snapshot_budget: expected a positive number of bytes, got {snapshot_budget!r}")
-    reason = unsupported_reason(q, v, chunk_size)
-    if reason is not None:
-        raise ValueError(f"backend='triton': {reason}")
-    s = default_scale(dims.d, scale)
+    if validate:
+        dims = check_qkv(q, k, v)
+        check_coefficients(a, b, C, dims)
+        if factor is not None:
+            check_factor(factor, dims)
+        if initial_state is not None:
+            check_state(initial_state, dims)
+        check_floor(kernel_floor)
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+            raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
+        if not isinstance(snapshot_budget, int) or snapshot_budget < 1:
+            raise ValueError(f"snapshot_budget: expected a positive number of bytes, got {snapshot_budget!r}")
+        reason = unsupported_reason(q, v, chunk_size)
+        if reason is not None:
+            raise ValueError(f"backend='triton': {reason}")
+    s = default_scale(q.shape[-1], scale)
     adt = accum_dtype(q.dtype)
-    qwb = block_weights(query_weights(a.to(adt), b.to(adt), C.to(adt), s), dims.d).contiguous()
+    qwb = block_weights(query_weights(a.to(adt), b.to(adt), C.to(adt), s), q.shape[-1]).contiguous()
     if factor is not None:
         c0 = factor.c0.to(adt).contiguous()
         fc = factor.c.to(adt).contiguous()

@@ -56,8 +56,11 @@ def _mm(a, b, DT: tl.constexpr, INTERP: tl.constexpr):
     """``a @ b`` with both operands rounded to DT; fp32 accumulation (fp64 for fp64)."""
     a = a.to(DT)
     b = b.to(DT)
-    if tl.float32 == DT:
+    if tl.float32 == DT and INTERP:
         return tl.dot(a, b, input_precision="ieee")
+    elif tl.float32 == DT:
+        # three tf32 products: fp32-level accuracy on the tensor cores (plain ieee fp32 falls back to FMAs)
+        return tl.dot(a, b, input_precision="tf32x3")
     elif INTERP and tl.float64 != DT:
         # the CPU interpreter multiplies the raw bit patterns of 16-bit floats; the rounded values in fp32 give
         # what the tensor cores compute
@@ -237,27 +240,26 @@ def chunk_fwd_h(
     hk = bh % Hkv
     row = tl.load(tab + (2 * NBLK + blk) * BK + tl.arange(0, BK))  # canonical state rows of this block
     brow = blk * BK + tl.arange(0, BK)
-    args = (
-        k + b * s_kb + hk * s_kh,
-        v + b * s_vb + hk * s_vh,
-        state + bh * D_FEAT * (DV + 1),
-        h + bh * NC * (NBLK * BK * DV) + brow[:, None] * DV,
-        hden + bh * NC * (NBLK * BK) + brow,
-        row,
-        blk,
-        iv,
-        s_kn,
-        s_vn,
-        t0,
-        N,
-        NC,
-    )
+    kb = k + b * s_kb + hk * s_kh
+    vb = v + b * s_vb + hk * s_vh
+    st = state + bh * D_FEAT * (DV + 1)
+    h_rows = h + bh * NC * (NBLK * BK * DV) + brow[:, None] * DV
+    hd_rows = hden + bh * NC * (NBLK * BK) + brow
     if blk >= 2:
-        _fwd_h_window(*args, D_HEAD, DV, NBLK, BT, BK, BV, NV, 2, DT, ADT, INTERP)
+        _fwd_h_window(
+            kb, vb, st, h_rows, hd_rows, row, blk, iv, s_kn, s_vn, t0, N, NC,
+            D_HEAD, DV, NBLK, BT, BK, BV, NV, 2, DT, ADT, INTERP,
+        )  # fmt: skip
     elif blk == 1:
-        _fwd_h_window(*args, D_HEAD, DV, NBLK, BT, BK, BV, NV, 1, DT, ADT, INTERP)
+        _fwd_h_window(
+            kb, vb, st, h_rows, hd_rows, row, blk, iv, s_kn, s_vn, t0, N, NC,
+            D_HEAD, DV, NBLK, BT, BK, BV, NV, 1, DT, ADT, INTERP,
+        )  # fmt: skip
     else:
-        _fwd_h_window(*args, D_HEAD, DV, NBLK, BT, BK, BV, NV, 0, DT, ADT, INTERP)
+        _fwd_h_window(
+            kb, vb, st, h_rows, hd_rows, row, blk, iv, s_kn, s_vn, t0, N, NC,
+            D_HEAD, DV, NBLK, BT, BK, BV, NV, 0, DT, ADT, INTERP,
+        )  # fmt: skip
 
 
 @triton.jit
