@@ -3,9 +3,11 @@
 Forward, per window of chunks (fla's ``chunk_fwd_h`` / ``chunk_fwd_o`` split):
 
 1. ``chunk_fwd_h`` passes the fp32 state across the window's chunks, one program per (feature block, dv block,
-   KV head) holding its state tile in registers, and writes a snapshot of the state before every chunk
-   (in the dot dtype: bf16 for half inputs). This is the only sequential loop; it runs 2·(2 + ⌊d/2⌋ + 1)·B·Hkv
-   programs side by side, and its GEMMs are ``[block, chunk] @ [chunk, dv]``.
+   KV head) holding its state tile in registers (plus one per block for the count column), and writes a
+   snapshot of the state before every chunk (in the dot dtype: bf16 for half inputs). This is the only
+   sequential loop; it runs (2 + ⌊d/2⌋ + 1)·(dv blocks + 1)·B·Hkv programs side by side (105 per KV head at
+   d = dv = 64), and its GEMMs are ``[block, chunk] @ [chunk, dv block]``. On CUDA it runs on a side stream,
+   one window ahead of the readout, into two alternating snapshot buffers.
 2. ``chunk_fwd_o`` computes every chunk of every query head in parallel: ``[chunk, block] @ [block, dv]``
    readouts of the snapshot over all feature blocks (the query features never touch memory), the exact
    within-chunk kernel, and the normalisation. The G query heads of a KV head run as neighbouring programs, so

@@ -20,14 +20,15 @@ that are not state rows). A feature block's snapshot is then one contiguous ``[B
 one contiguous vector, and the readout loop needs no index table.
 
 Precision. Every product accumulates in fp32 (``ADT``; fp64 for fp64 inputs); tensor-core operands are in the
-dot dtype ``DT`` (bf16 for half inputs, fp32 ``ieee`` for fp32). State passing keeps the state in fp32
-registers and the count channel of Eq. 5 (the ``[v; 1]`` denominator) as exact fp32 sums; the snapshots that
-the readout multiplies are rounded to DT, and the readout forms its query features in DT (packed bf16) and
-contracts numerator and denominator alike, so both see the same features. Within-chunk kernels are fp32.
+dot dtype ``DT`` (bf16 for half inputs; fp32 as three tf32 products on the GPU, ``ieee`` in the interpreter).
+State passing keeps the state in fp32 registers and the count channel of Eq. 5 (the ``[v; 1]`` denominator)
+as exact fp32 sums; the snapshots that the readout multiplies are rounded to DT, and the readout forms its
+query features in DT (packed bf16) and contracts numerator and denominator alike, so both see the same
+features. Within-chunk kernels are fp32.
 
 Kernels (grids in brackets; ``NBLK = 2 + ⌊d/2⌋ + 1`` feature blocks):
 
-* ``chunk_fwd_h``     [NBLK, dv blocks, B·Hkv]  state passing: snapshot S_c before every chunk, S ← S + φ_kᵀ U.
+* ``chunk_fwd_h``     [NBLK, dv blocks + 1, B·Hkv]  state passing: snapshot S_c before every chunk, S += φ_kᵀ U.
 * ``chunk_fwd_o``     [B·Hq, chunks]            o = (φ_q S_c + intra) / den, φ_q built in registers per block.
 * ``chunk_bwd_dh``    [NBLK, dv blocks, B·Hkv]  reverse state passing: dS_c = Σ_{later chunks, G heads} φ_qᵀ dU.
 * ``chunk_bwd_dq``    [B·Hq, chunks]            dq and the coefficient gradients (atomics over chunks).
