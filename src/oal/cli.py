@@ -22,3 +22,14 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug 
         format="%(message)s",
         handlers=[RichHandler(show_path=False, rich_tracebacks=False)],
     )
+
+
+def _register_commands() -> None:
+    from .analysis.cli import register as analysis
+    from .bench.cli import register as bench
+
+    for register in (analysis, bench):
+        register(app)
+
+
+_register_commands()

@@ -308,6 +308,8 @@ def test_dispatch_backend_argument():
         quadratic_attention(q, k, v, a, b, C, mode="naive", backend="triton")
     with pytest.raises(ValueError, match="chunk_size"):
         quadratic_attention(q, k, v, a, b, C, chunk_size=48, backend="triton")
+    with pytest.raises(ValueError, match="key_weight"):
+        quadratic_attention(q, k, v, a, b, C, return_denominator=True, backend="triton")
     with pytest.raises(ValueError, match="not differentiable"):
         quadratic_attention(q.requires_grad_(True), k, v, a, b, C, mode="recurrent", backend="triton")
     if not ON_GPU:  # auto keeps CPU tensors on torch even under the interpreter

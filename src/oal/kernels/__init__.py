@@ -1,6 +1,7 @@
-"""Attention kernels: OAL (§4.3), the learned global quadratic (App. D) and, later, the F.1 baselines."""
+"""Attention kernels: OAL (§4.3), the learned global quadratic (App. D) and the F.1 baselines."""
 
 from .base import AttentionKernel, SoftmaxKernel, check_positions, repeat_kv
+from .baselines import DiJiangKernel, FeatureKernel, PerformerKernel, SpectraFormerKernel, TaylorShiftKernel
 from .oal import (
     GlobalQuadraticKernel,
     OALKernel,
@@ -12,11 +13,24 @@ from .oal import (
     taylor_global_L,
     taylor_L,
 )
+from .registry import KERNELS, SINK_WINDOW_KERNELS, build_kernel, kernel_config, kernel_from_config
+from .sink_window import SinkWindowKernel, sink_window_name, split_sink_window_name
 
 __all__ = [
+    "KERNELS",
+    "SINK_WINDOW_KERNELS",
     "AttentionKernel",
+    "DiJiangKernel",
+    "FeatureKernel",
+    "PerformerKernel",
+    "SpectraFormerKernel",
+    "TaylorShiftKernel",
+    "build_kernel",
+    "kernel_config",
+    "kernel_from_config",
     "GlobalQuadraticKernel",
     "OALKernel",
+    "SinkWindowKernel",
     "SoftmaxKernel",
     "check_positions",
     "repeat_kv",
@@ -27,4 +41,6 @@ __all__ = [
     "oal_factor",
     "taylor_L",
     "taylor_global_L",
+    "sink_window_name",
+    "split_sink_window_name",
 ]

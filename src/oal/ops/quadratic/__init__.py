@@ -7,7 +7,15 @@ import torch
 from .chunk import chunk_quadratic_attention, factored_kernel
 from .naive import naive_kernel_matrix, naive_quadratic_attention
 from .recurrent import recurrent_quadratic_attention
-from .utils import KernelFactor, feature_dim, key_features, query_features, query_weights, split_state
+from .utils import (
+    KernelFactor,
+    QuadraticAttentionOutput,
+    feature_dim,
+    key_features,
+    query_features,
+    query_weights,
+    split_state,
+)
 
 MODES = ("naive", "chunk", "recurrent")
 BACKENDS = ("auto", "torch", "triton")
@@ -27,12 +35,14 @@ def quadratic_attention(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     factor: KernelFactor | None = None,
+    key_weight: torch.Tensor | None = None,
+    return_denominator: bool = False,
     kernel_floor: float | None = None,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None] | QuadraticAttentionOutput:
     """Causal normalised attention with the dimension-aware quadratic kernel of Eq. 3:
 
-        o_i = Σ_{j≤i} κ(q_i, k_j) v_j / Σ_{j≤i} κ(q_i, k_j),
+        o_i = Σ_{j≤i} ω_j κ(q_i, k_j) v_j / Σ_{j≤i} ω_j κ(q_i, k_j),
         κ(q, k) = a + Σ_r b_r x_r + Σ_{r,t} C_rt x_r x_t,   x_r = q_r k_r · scale.
 
     Args:
@@ -49,26 +59,35 @@ def quadratic_attention(
         factor: the same kernel as a :class:`KernelFactor` (sum of squares, Eq. 7); ``"chunk"`` then builds
             the intra-chunk kernel from it. The caller guarantees it matches (a, b, C);
             :func:`oal.kernels.oal_factor` and :func:`oal.kernels.oal_coefficients` produce matching pairs.
+        key_weight: optional ``(B, Hkv, N)`` non-negative weights ω_j (default 1) scaling ``u_j = [v_j; 1]``, so
+            ω_j = 0 removes key j from numerator, denominator and state. The floor then uses the weighted key
+            count ``Σ_{j≤i} ω_j`` (plus the count held in ``initial_state``), and a query whose count is 0
+            gets output 0. Differentiable in ``"chunk"`` and ``"naive"`` like the other inputs.
+        return_denominator: return a :class:`QuadraticAttentionOutput` ``(o, denominator (B, Hq, N),
+            final_state)`` instead of ``(o, final_state)``; the denominator is the one each output was divided by.
         kernel_floor: a known lower bound κ ≥ floor > 0 (OAL's ε). Denominators are then clamped to
             ``floor · (number of keys)``, which the exact value always exceeds, so fp32 rounding in the state
             readout can never make a denominator non-positive. Ignored by ``"naive"``.
         backend: ``"torch"``, ``"triton"`` (the kernels of :mod:`.triton`; CUDA tensors, or CPU tensors under
-            ``TRITON_INTERPRET=1``; ``"chunk"`` and ``"recurrent"`` only; chunk_size one of 16/32/64/128; the
-            recurrent kernel is inference-only) or ``"auto"``: Triton for CUDA tensors in fp16/bf16/fp32 when
-            triton is installed and the call is one it takes, torch otherwise. Both compute the same function.
+            ``TRITON_INTERPRET=1``; ``"chunk"`` and ``"recurrent"`` only; chunk_size one of 16/32/64/128; no
+            key_weight or return_denominator yet; the recurrent kernel is inference-only) or ``"auto"``: Triton
+            for CUDA tensors in fp16/bf16/fp32 when triton is installed and the call is one it takes, torch
+            otherwise. Both compute the same function.
 
     bf16/fp16 inputs accumulate in fp32; the output has q's dtype, the state the accumulation dtype.
     ``"chunk"`` and ``"naive"`` are differentiable in q, k, v, a, b and C.
 
     Returns:
-        ``(o, final_state)``: o ``(B, Hq, N, dv)``; final_state as above, or None.
+        ``(o, final_state)``: o ``(B, Hq, N, dv)``; final_state as above, or None. With ``return_denominator``,
+        ``(o, denominator, final_state)`` as a :class:`QuadraticAttentionOutput`.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    extras = key_weight is not None or return_denominator
     if backend != "torch" and _use_triton(
-        backend, mode, q, v, chunk_size, (q, k, v, a, b, C, initial_state, *(factor or ()))
+        backend, mode, q, v, chunk_size, extras, (q, k, v, a, b, C, initial_state, *(factor or ()))
     ):
         from . import triton as tri
 
@@ -113,6 +132,8 @@ def quadratic_attention(
             output_final_state=output_final_state,
             factor=factor,
             kernel_floor=kernel_floor,
+            key_weight=key_weight,
+            return_denominator=return_denominator,
         )
     if mode == "recurrent":
         return recurrent_quadratic_attention(
@@ -126,21 +147,35 @@ def quadratic_attention(
             initial_state=initial_state,
             output_final_state=output_final_state,
             kernel_floor=kernel_floor,
+            key_weight=key_weight,
+            return_denominator=return_denominator,
         )
     if mode == "naive":
         return naive_quadratic_attention(
-            q, k, v, a, b, C, scale=scale, initial_state=initial_state, output_final_state=output_final_state
+            q,
+            k,
+            v,
+            a,
+            b,
+            C,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            key_weight=key_weight,
+            return_denominator=return_denominator,
         )
     raise AssertionError(mode)  # unreachable: mode was checked above
 
 
-def _use_triton(backend: str, mode: str, q, v, chunk_size: int, tensors: tuple) -> bool:
+def _use_triton(backend: str, mode: str, q, v, chunk_size: int, extras: bool, tensors: tuple) -> bool:
     """Whether this call goes to the Triton kernels; with ``backend="triton"`` a call they cannot take raises."""
     from .triton.utils import unsupported_reason
 
     reason = None
     if mode == "naive":
         reason = "mode='naive' is the torch reference; use mode='chunk' or 'recurrent'"
+    elif extras:
+        reason = "key_weight and return_denominator are not implemented in the Triton kernels"
     elif not all(isinstance(x, torch.Tensor) for x in (q, v)):
         reason = "q and v must be tensors"
     else:
@@ -161,6 +196,7 @@ __all__ = [
     "BACKENDS",
     "KernelFactor",
     "MODES",
+    "QuadraticAttentionOutput",
     "chunk_quadratic_attention",
     "factored_kernel",
     "feature_dim",

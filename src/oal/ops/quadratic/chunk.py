@@ -30,15 +30,18 @@ import torch
 
 from .utils import (
     KernelFactor,
+    QuadraticAttentionOutput,
     check_coefficients,
     check_factor,
     check_floor,
+    check_key_weight,
     check_qkv,
     check_state,
     compute_dtype,
     cyclic_features,
     cyclic_maps,
     cyclic_query_weights,
+    cyclic_width,
     default_scale,
 )
 
@@ -81,11 +84,14 @@ def chunk_quadratic_attention(
     output_final_state: bool = False,
     factor: KernelFactor | None = None,
     kernel_floor: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    key_weight: torch.Tensor | None = None,
+    return_denominator: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | QuadraticAttentionOutput:
     """Chunked causal quadratic-kernel attention; see :func:`oal.ops.quadratic_attention` for the arguments.
 
     Returns ``o (B, Hq, N, dv)`` in q's dtype and, if asked, the packed final state ``(B, Hkv, D, dv+1)`` in
-    the accumulation dtype (fp32, or fp64 for fp64 inputs).
+    the accumulation dtype (fp32, or fp64 for fp64 inputs); with ``return_denominator`` a
+    :class:`QuadraticAttentionOutput`.
     """
     dims = check_qkv(q, k, v)
     check_coefficients(a, b, C, dims)
@@ -94,6 +100,8 @@ def chunk_quadratic_attention(
     if initial_state is not None:
         check_state(initial_state, dims)
     check_floor(kernel_floor)
+    if key_weight is not None:
+        check_key_weight(key_weight, dims, q.device)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     s = default_scale(dims.d, scale)
@@ -103,9 +111,11 @@ def chunk_quadratic_attention(
     dev = q.device
     canon_of_cyc, cyc_of_canon = cyclic_maps(d, dev)
     Dc = canon_of_cyc.numel()
+    one_row = d * cyclic_width(d + 1)  # cyclic index of x'_d · x'_d = 1 · 1 (r = d, δ = 0)
     cs = max(1, min(chunk_size, N))
     R = 0 if factor is None else factor.c.shape[-1]
-    inputs = (q, k, v, a, b, C, *(factor or ()), *(() if initial_state is None else (initial_state,)))
+    extra = tuple(x for x in (initial_state, key_weight) if x is not None)
+    inputs = (q, k, v, a, b, C, *(factor or ()), *extra)
     fast = not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))
     if fast:
         ws = _Workspace(
@@ -129,6 +139,7 @@ def chunk_quadratic_attention(
 
     o = torch.empty(B, Hq, N, dv, dtype=q.dtype, device=dev)
     o_groups = o.view(B, Hkv, G, N, dv)
+    dens = torch.empty(B, Hkv, G, N, dtype=cdt, device=dev) if return_denominator else None
     q_groups = q.view(B, Hkv, G, N, d)
     causal = torch.ones(cs, cs, dtype=cdt, device=dev).tril()  # [query i, key j]
     steps = torch.arange(1, cs + 1, dtype=cdt, device=dev)[:, None]
@@ -139,8 +150,8 @@ def chunk_quadratic_attention(
             state = torch.zeros(B, Dc, dv + 1, dtype=cdt, device=dev)
         else:
             state = initial_state[:, h].to(cdt)[:, canon_of_cyc]
-        # keys before this segment: H0's count channel, canonical row 0 (cyclic position cyc_of_canon[0])
-        seen = state[:, None, cyc_of_canon[0], dv].detach().clone().view(B, 1, 1, 1)
+        # keys before this segment: H0's count column, which the cyclic layout stores at the 1·1 feature
+        seen = state[:, None, one_row : one_row + 1, dv:].detach().clone()  # (B, 1, 1, 1)
 
         for start in range(0, N, cs):
             end = min(start + cs, N)
@@ -149,6 +160,12 @@ def chunk_quadratic_attention(
             kc = k[:, h, start:end].to(cdt)  # (B, n, d)
             vc = v[:, h, start:end].to(cdt)
             u = torch.cat([vc, torch.ones_like(vc[..., :1])], dim=-1)  # (B, n, dv+1)
+            if key_weight is None:
+                count = seen + steps[:n]  # keys seen by each query, (B, 1, n, 1)
+            else:
+                wc = key_weight[:, h, start:end].to(cdt)
+                u = u * wc[..., None]
+                count = seen + wc.detach().cumsum(-1)[:, None, :, None]
             k1 = torch.cat([kc, torch.ones_like(kc[..., :1])], dim=-1)  # (B, n, d+1)
 
             # inter-chunk readout (Eq. 6) of the G heads at once: (G·n, D) @ (D, dv+1)
@@ -181,7 +198,11 @@ def chunk_quadratic_attention(
             num = num.view(B, G, n, dv + 1)
             den = num[..., dv:]
             if kernel_floor is not None:
-                den = torch.maximum(den, kernel_floor * (seen + steps[:n]))
+                den = torch.maximum(den, kernel_floor * count)
+            if return_denominator:
+                dens[:, h, :, start:end] = den[..., 0]
+            if key_weight is not None:  # no key with weight > 0 yet: output 0, not 0/0
+                den = torch.where(count > 0, den, torch.ones_like(den))
             o_groups[:, h, :, start:end] = (num[..., :dv] / den).to(q.dtype)
 
             # state update (Eq. 5): S += φ_k(K)ᵀ U
@@ -189,8 +210,10 @@ def chunk_quadratic_attention(
                 state.baddbmm_(cyclic_features(kc, out=ws.take("pk", B, n, Dc)).mT, u)
             else:
                 state = torch.baddbmm(state, cyclic_features(kc).mT, u)
-            seen = seen + n
+            seen = count[:, :, -1:]
         if output_final_state:
             finals.append(state[:, cyc_of_canon])
     final = torch.stack(finals, dim=1) if output_final_state else None
+    if return_denominator:
+        return QuadraticAttentionOutput(o, dens.view(B, Hq, N), final)
     return o, final

@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from .utils import check_coefficients, check_qkv, check_state, compute_dtype, default_scale, split_state
+from .utils import (
+    QuadraticAttentionOutput,
+    check_coefficients,
+    check_key_weight,
+    check_qkv,
+    check_state,
+    compute_dtype,
+    default_scale,
+    split_state,
+)
 
 
 def naive_kernel_matrix(
@@ -37,8 +46,11 @@ def naive_quadratic_attention(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """O(N²) causal normalised kernel attention, ``o_i = Σ_{j≤i} κ_ij v_j / Σ_{j≤i} κ_ij``.
+    key_weight: torch.Tensor | None = None,
+    return_denominator: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | QuadraticAttentionOutput:
+    """O(N²) causal normalised kernel attention, ``o_i = Σ_{j≤i} ω_j κ_ij v_j / Σ_{j≤i} ω_j κ_ij`` (ω_j = 1
+    without ``key_weight``).
 
     Shapes as in :func:`oal.ops.quadratic_attention`. An ``initial_state`` (packed, from a previous segment)
     adds its readout ``Σ_{prefix} κ(q_i, k_j) u_j``, evaluated here from the unpacked H0, H1, H2 of Eq. 5–6.
@@ -48,19 +60,27 @@ def naive_quadratic_attention(
     check_coefficients(a, b, C, dims)
     if initial_state is not None:
         check_state(initial_state, dims)
+    if key_weight is not None:
+        check_key_weight(key_weight, dims, q.device)
     s = default_scale(dims.d, scale)
     cdt = compute_dtype(q.dtype)
     qf, kf, vf = q.to(cdt), k.to(cdt), v.to(cdt)
     af, bf, Cf = a.to(cdt), b.to(cdt), C.to(cdt)
     u = torch.cat([vf, torch.ones_like(vf[..., :1])], dim=-1)
+    count = None  # weighted number of keys each query sees, (B, Hkv, N)
+    if key_weight is not None:
+        u = u * key_weight.to(cdt)[..., None]
+        count = key_weight.detach().to(cdt).cumsum(-1)
+        if initial_state is not None:
+            count = count + initial_state[:, :, :1, -1].detach().to(cdt)
     mask = torch.ones(dims.N, dims.N, dtype=torch.bool, device=q.device).tril()
     prefix = None
     if initial_state is not None:
         h0, h1, h2 = split_state(initial_state.to(cdt), dims.d)
         prefix = (h0, h1, h2)
-    out = []
+    out, dens = [], []
     for bi in range(dims.B):
-        heads = []
+        heads, head_dens = [], []
         for h in range(dims.Hq):
             kv = h // dims.group
             kappa = naive_kernel_matrix(qf[bi, h], kf[bi, kv], af[h], bf[h], Cf[h], s)
@@ -74,14 +94,21 @@ def naive_quadratic_attention(
                     + s * (qi * bf[h]) @ h1
                     + s**2 * torch.einsum("ir,it,rt,rtc->ic", qi, qi, Cf[h], h2)
                 )
-            heads.append(num[:, :-1] / num[:, -1:])
+            den = num[:, -1:]
+            if count is not None:  # no key with weight > 0 yet: output 0, not 0/0
+                den = torch.where(count[bi, kv, :, None] > 0, den, torch.ones_like(den))
+            heads.append(num[:, :-1] / den)
+            head_dens.append(num[:, -1])
         out.append(torch.stack(heads))
+        dens.append(torch.stack(head_dens))
     o = torch.stack(out).to(q.dtype)
     final = None
     if output_final_state:
         final = _explicit_state(kf, u, dims.d)
         if initial_state is not None:
             final = final + initial_state.to(cdt)
+    if return_denominator:
+        return QuadraticAttentionOutput(o, torch.stack(dens), final)
     return o, final
 
 

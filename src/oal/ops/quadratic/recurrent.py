@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 
 from .utils import (
+    QuadraticAttentionOutput,
     check_coefficients,
     check_floor,
+    check_key_weight,
     check_qkv,
     check_state,
     compute_dtype,
@@ -36,17 +38,22 @@ def recurrent_quadratic_attention(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     kernel_floor: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    key_weight: torch.Tensor | None = None,
+    return_denominator: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | QuadraticAttentionOutput:
     """Recurrent causal quadratic-kernel attention; see :func:`oal.ops.quadratic_attention` for the arguments.
 
     q ``(B, Hq, T, d)`` for T ≥ 1 new tokens, k/v their keys and values, ``initial_state`` the packed state
-    ``(B, Hkv, D, dv+1)`` of everything before them. Returns ``o (B, Hq, T, dv)`` and optionally the new state.
+    ``(B, Hkv, D, dv+1)`` of everything before them. Returns ``o (B, Hq, T, dv)`` and optionally the new state
+    (with ``return_denominator`` a :class:`QuadraticAttentionOutput`).
     """
     dims = check_qkv(q, k, v)
     check_coefficients(a, b, C, dims)
     if initial_state is not None:
         check_state(initial_state, dims)
     check_floor(kernel_floor)
+    if key_weight is not None:
+        check_key_weight(key_weight, dims, q.device)
     s = default_scale(dims.d, scale)
     B, Hq, Hkv, T, d, dv = dims
     G = dims.group
@@ -56,17 +63,26 @@ def recurrent_quadratic_attention(
         state = torch.zeros(B, Hkv, feature_dim(d), dv + 1, dtype=cdt, device=q.device)
     else:
         state = initial_state.to(cdt)
-    outs = []
+    outs, dens = [], []
     for t in range(T):
         kt = k[:, :, t].to(cdt)
         vt = v[:, :, t].to(cdt)
         ut = torch.cat([vt, torch.ones_like(vt[..., :1])], dim=-1)
+        if key_weight is not None:
+            ut = ut * key_weight[:, :, t, None].to(cdt)
         state = state + key_features(kt)[..., :, None] * ut[..., None, :]
         fq = query_features(q[:, :, t : t + 1].to(cdt), wq).view(B, Hkv, G, -1)
         num = fq @ state
         den = num[..., dv:]
+        count = state[:, :, None, 0, dv:].detach()  # (weighted) keys seen so far
         if kernel_floor is not None:
-            den = torch.maximum(den, kernel_floor * state[:, :, None, 0, dv:])
+            den = torch.maximum(den, kernel_floor * count)
+        dens.append(den.reshape(B, Hq))
+        if key_weight is not None:  # no key with weight > 0 yet: output 0, not 0/0
+            den = torch.where(count > 0, den, torch.ones_like(den))
         outs.append((num[..., :dv] / den).reshape(B, Hq, dv))
     o = torch.stack(outs, dim=2).to(q.dtype)
-    return o, (state if output_final_state else None)
+    final = state if output_final_state else None
+    if return_denominator:
+        return QuadraticAttentionOutput(o, torch.stack(dens, dim=2), final)
+    return o, final

@@ -24,6 +24,19 @@ from typing import NamedTuple
 import torch
 
 
+class QuadraticAttentionOutput(NamedTuple):
+    """What ``quadratic_attention(..., return_denominator=True)`` returns; unpacks as ``o, den, final_state``.
+
+    ``o (B, Hq, N, dv)`` in q's dtype; ``denominator (B, Hq, N)`` in the accumulation dtype, the value each output
+    was divided by (after the ``kernel_floor`` clamp; 0 for a query whose keys all have weight 0, whose output
+    is then 0); ``final_state`` as without the option. ``o · denominator`` is the unnormalised numerator.
+    """
+
+    o: torch.Tensor
+    denominator: torch.Tensor
+    final_state: torch.Tensor | None
+
+
 class KernelFactor(NamedTuple):
     """A kernel written as a sum of squares (Eq. 7 with M = L Lᵀ, column m of L giving one square):
 
@@ -205,12 +218,13 @@ def _need_tensor(name: str, x: object) -> torch.Tensor:
 def _need_shape(name: str, x: torch.Tensor, expected: tuple[int | str, ...]) -> None:
     ok = x.dim() == len(expected) and all(isinstance(e, str) or s == e for s, e in zip(x.shape, expected, strict=True))
     if not ok:
-        want = "(" + ", ".join(str(e) for e in expected) + ")"
+        want = "(" + ", ".join(str(e) for e in expected) + ("," if len(expected) == 1 else "") + ")"
         raise ValueError(f"{name}: expected shape {want}, got {tuple(x.shape)}")
 
 
 def _need_finite(name: str, x: torch.Tensor) -> None:
-    if not bool(torch.isfinite(x).all()):
+    # NaN propagates through min/max and ±inf is its own extreme: no input-sized temporary, unlike isfinite()
+    if x.numel() and not (bool(torch.isfinite(x.amax())) and bool(torch.isfinite(x.amin()))):
         raise ValueError(f"{name}: contains NaN or infinite values")
 
 
@@ -282,6 +296,18 @@ def check_state(state: torch.Tensor, dims: Dims) -> None:
     state = _need_tensor("initial_state", state)
     _need_shape("initial_state", state, (dims.B, dims.Hkv, feature_dim(dims.d), dims.dv + 1))
     _need_finite("initial_state", state)
+
+
+def check_key_weight(key_weight: torch.Tensor, dims: Dims, device: torch.device) -> None:
+    """key_weight: ``(B, Hkv, N)`` finite and non-negative (a weight scales ``u_j = [v_j; 1]``, so the weighted
+    key count that the denominator floor uses must stay a lower bound)."""
+    key_weight = _need_tensor("key_weight", key_weight)
+    _need_shape("key_weight", key_weight, (dims.B, dims.Hkv, dims.N))
+    if key_weight.device != device:
+        raise ValueError(f"key_weight: expected a tensor on {device} like q, got {key_weight.device}")
+    _need_finite("key_weight", key_weight)
+    if bool((key_weight < 0).any()):
+        raise ValueError(f"key_weight: expected non-negative weights, got minimum {key_weight.min().item():.3e}")
 
 
 def check_floor(kernel_floor: float | None) -> None:

@@ -1,0 +1,260 @@
+"""The ``"oal"`` attention implementation: Q/K/V capture and per-layer kernel replacement.
+
+It is registered with transformers' ``AttentionInterface`` (and, for mask construction, ``AttentionMaskInterface``
+with SDPA's mask function), so a model switched to it through ``model.set_attn_implementation("oal")`` builds the
+same masks as with ``"sdpa"``. For every attention call it looks at the calling module:
+
+* if a kernel is attached (:func:`attach_kernel`, stored as the submodule ``self_attn.oal_kernel``), the kernel
+  computes the attention output from the post-RoPE q and un-repeated k, v in place of softmax;
+* otherwise it calls transformers' ``sdpa_attention_forward`` unchanged, so logits are identical to ``"sdpa"``;
+* if a :func:`capture_qkv` recorder is active on the module, q, k, v (and optionally the output) are recorded.
+
+The model is switched to ``"oal"`` only while a kernel is attached or a capture is running, and switched back to
+its previous implementation afterwards. Kernels see one full causal sequence per call: padding masks and KV-cache
+decoding steps are refused (recurrent decoding is added later on top of ``AttentionKernel.forward``'s state).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..kernels.base import AttentionKernel
+from .architecture import attention_spec, check_layer, get_attention_modules
+
+ATTN_IMPLEMENTATION = "oal"
+KERNEL_ATTR = "oal_kernel"
+_RECORDER_ATTR = "_oal_recorder"
+_PREVIOUS_ATTR = "_oal_previous_attn_implementation"
+# Attention-function arguments that change the softmax itself; a kernel cannot honour them.
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
+
+
+class QKV(NamedTuple):
+    """One attention call of one layer.
+
+    q ``(B, Hq, N, d)`` and k ``(B, Hkv, N, d)`` after RoPE, v ``(B, Hkv, N, dv)`` (k, v not repeated to Hq
+    heads); ``o`` ``(B, Hq, N, dv)`` the attention output before ``W_o`` (of the kernel, if one was attached),
+    or None when not requested; ``scale`` the softmax scaling the layer uses.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor | None
+    scale: float
+
+
+class QKVRecorder(Mapping):
+    """What :func:`capture_qkv` recorded: ``rec[layer]`` is that layer's latest call; :meth:`history` all calls
+    when ``keep_all`` was set."""
+
+    def __init__(self, layers: Sequence[int], *, outputs: bool, keep_all: bool, device: str | torch.device | None):
+        self.layers = tuple(layers)
+        self.outputs = outputs
+        self.keep_all = keep_all
+        self.device = device
+        self._calls: dict[int, list[QKV]] = {layer: [] for layer in self.layers}
+
+    def _store(self, x: torch.Tensor) -> torch.Tensor:
+        # Always a copy: a static KV cache updates the tensors it hands out in place.
+        return x.detach().to(self.device if self.device is not None else x.device, copy=True)
+
+    def record(self, layer: int, q, k, v, o, scale: float) -> None:
+        qkv = QKV(self._store(q), self._store(k), self._store(v), self._store(o) if self.outputs else None, scale)
+        if self.keep_all:
+            self._calls[layer].append(qkv)
+        else:
+            self._calls[layer] = [qkv]
+
+    def __getitem__(self, layer: int) -> QKV:
+        if layer not in self._calls:
+            raise KeyError(f"layer {layer} was not captured; captured layers: {list(self.layers)}")
+        if not self._calls[layer]:
+            raise KeyError(f"layer {layer} has not run yet inside capture_qkv")
+        return self._calls[layer][-1]
+
+    def __iter__(self) -> Iterator[int]:
+        return (layer for layer in self.layers if self._calls[layer])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def history(self, layer: int) -> list[QKV]:
+        """Every recorded call of ``layer`` in order (only the latest unless ``keep_all=True``)."""
+        if layer not in self._calls:
+            raise KeyError(f"layer {layer} was not captured; captured layers: {list(self.layers)}")
+        return list(self._calls[layer])
+
+
+def _check_kernel_call(
+    module: nn.Module, kernel: AttentionKernel, query, key, attention_mask, scaling, dropout, kwargs
+):
+    where = f"layer {module.layer_idx} ({type(kernel).__name__})"
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(
+            f"{where}: kernels take one full causal sequence per call, got {query.shape[2]} queries against "
+            f"{key.shape[2]} keys (KV-cache decoding); run the model with use_cache=False"
+        )
+    if not getattr(module, "is_causal", True):
+        raise ValueError(f"{where}: kernels are causal, but this attention module is not")
+    if dropout:
+        raise ValueError(f"{where}: attention dropout {dropout} is not supported by kernels; call model.eval()")
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{where}: the attention argument {name!r} is not supported by kernels")
+    if scaling is not None and not math.isclose(kernel.scale, scaling, rel_tol=1e-6):
+        raise ValueError(f"{where}: kernel scale {kernel.scale} differs from the layer's scaling {scaling}")
+    if attention_mask is not None:
+        allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        n = query.shape[2]
+        causal = torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril()
+        if allowed.shape[-2:] != (n, n) or not bool((allowed == causal).all()):
+            raise ValueError(
+                f"{where}: got a non-causal attention mask (padding, packed sequences or a sliding window); "
+                "kernels support plain causal attention only"
+            )
+
+
+def oal_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``"oal"`` attention function: query ``(B, Hq, N, d)``, key/value ``(B, Hkv, N, ·)`` ->
+    ``(attn_output (B, N, Hq, dv), attn_weights)``, as transformers' ``sdpa_attention_forward``."""
+    kernel = getattr(module, KERNEL_ATTR, None)
+    if kernel is None:
+        out, weights = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    else:
+        _check_kernel_call(module, kernel, query, key, attention_mask, scaling, dropout, kwargs)
+        o, _ = kernel(query, key, value)
+        out, weights = o.to(value.dtype).transpose(1, 2).contiguous(), None
+    recorder = getattr(module, _RECORDER_ATTR, None)
+    if recorder is not None:
+        recorder.record(
+            module.layer_idx,
+            query,
+            key,
+            value,
+            out.transpose(1, 2) if recorder.outputs else None,
+            float(scaling if scaling is not None else module.scaling),
+        )
+    return out, weights
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, oal_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def _sync_attn_implementation(model: PreTrainedModel) -> None:
+    """Use ``"oal"`` while any layer has a kernel or a recorder; otherwise go back to the previous one."""
+    modules = get_attention_modules(model)
+    needed = any(
+        getattr(m, KERNEL_ATTR, None) is not None or getattr(m, _RECORDER_ATTR, None) is not None for m in modules
+    )
+    current = model.config._attn_implementation
+    if needed and current != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                f"model: {type(model).__name__} does not let its attention implementation be switched at runtime"
+            )
+        setattr(model, _PREVIOUS_ATTR, current)
+    elif not needed and current == ATTN_IMPLEMENTATION and hasattr(model, _PREVIOUS_ATTR):
+        model.set_attn_implementation(getattr(model, _PREVIOUS_ATTR))
+        delattr(model, _PREVIOUS_ATTR)
+
+
+def attach_kernel(model: PreTrainedModel, layer: int, kernel: AttentionKernel) -> None:
+    """Replace softmax attention in ``layer`` by ``kernel`` (stored as ``self_attn.oal_kernel``, so it moves with
+    the model and appears in its state dict). The kernel is moved to the layer's device, its dtype is kept.
+    Replaces any kernel already attached there."""
+    check_layer(model, layer)
+    if not isinstance(kernel, AttentionKernel):
+        raise ValueError(f"kernel: expected an oal.kernels.AttentionKernel, got {type(kernel).__name__}")
+    spec = attention_spec(model)
+    got = (kernel.num_heads, kernel.num_kv_heads, kernel.head_dim)
+    want = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    if got != want:
+        raise ValueError(f"kernel: expected (num_heads, num_kv_heads, head_dim) = {want}, got {got}")
+    if not math.isclose(kernel.scale, spec.scaling, rel_tol=1e-6):
+        raise ValueError(f"kernel: expected scale {spec.scaling} like the model, got {kernel.scale}")
+    module = get_attention_modules(model)[layer]
+    setattr(module, KERNEL_ATTR, kernel.to(module.q_proj.weight.device))
+    _sync_attn_implementation(model)
+
+
+def detach_kernel(model: PreTrainedModel, layer: int) -> AttentionKernel:
+    """Remove and return the kernel attached to ``layer`` (softmax attention again)."""
+    check_layer(model, layer)
+    module = get_attention_modules(model)[layer]
+    kernel = getattr(module, KERNEL_ATTR, None)
+    if kernel is None:
+        raise ValueError(f"layer: no kernel is attached to layer {layer}")
+    delattr(module, KERNEL_ATTR)
+    _sync_attn_implementation(model)
+    return kernel
+
+
+def attached_kernels(model: PreTrainedModel) -> dict[int, AttentionKernel]:
+    """``{layer: kernel}`` for every layer with a kernel attached."""
+    modules = get_attention_modules(model)
+    return {i: getattr(m, KERNEL_ATTR) for i, m in enumerate(modules) if getattr(m, KERNEL_ATTR, None) is not None}
+
+
+@contextmanager
+def capture_qkv(
+    model: PreTrainedModel,
+    layers: Sequence[int] | None = None,
+    *,
+    outputs: bool = False,
+    keep_all: bool = False,
+    device: str | torch.device | None = "cpu",
+) -> Iterator[QKVRecorder]:
+    """Record q, k, v of ``layers`` (default: all) for forwards run inside the block::
+
+        with capture_qkv(model, layers=[4, 12]) as rec:
+            model(input_ids)
+        q, k, v, o, scale = rec[4]
+
+    Without attached kernels the forward is numerically identical to ``"sdpa"``. ``outputs`` also records the
+    attention output before ``W_o``; ``keep_all`` keeps every call (e.g. several batches) instead of the latest;
+    ``device`` is where copies are stored (None: where they were computed). Captured tensors are detached.
+    Under KV-cache decoding, k and v are the cache's full keys and values.
+    """
+    modules = get_attention_modules(model)
+    if layers is None:
+        layers = list(range(len(modules)))
+    layers = [check_layer(model, layer, name="layers") for layer in layers]
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"layers: expected distinct layer indices, got {layers}")
+    busy = [layer for layer in layers if getattr(modules[layer], _RECORDER_ATTR, None) is not None]
+    if busy:
+        raise ValueError(f"layers: {busy} are already being captured by an enclosing capture_qkv")
+    recorder = QKVRecorder(layers, outputs=outputs, keep_all=keep_all, device=device)
+    try:
+        for layer in layers:
+            setattr(modules[layer], _RECORDER_ATTR, recorder)
+        _sync_attn_implementation(model)
+        yield recorder
+    finally:
+        for layer in layers:
+            if getattr(modules[layer], _RECORDER_ATTR, None) is recorder:
+                delattr(modules[layer], _RECORDER_ATTR)
+        _sync_attn_implementation(model)

@@ -1,0 +1,291 @@
+"""Pieces shared by the evaluation modes of the sink/window operator: the decode state, input checks, and the
+segment evaluation that ``chunk.py`` (blocks of queries, chunked kernel part) and ``recurrent.py`` (one query
+at a time, recurrent kernel part) run.
+
+Positions are global: a segment of N tokens that continues a state of ``offset = t0`` tokens holds the
+positions ``t0 … t0+N-1``. For query i the exact set is ``E_i = {j ≤ i : j < n_sink or j > i - w}`` and the
+kernel set ``K_i = {j : n_sink ≤ j ≤ i - w}``.
+
+The kernel part is the plain quadratic operator run on keys delayed by w: with the "extended" key sequence
+``ext = [window buffer (keys t0-w … t0-1); segment keys]`` (w + N entries, ext position p holding key
+``t0 - w + p``), query r of the segment reads the delayed keys ``ext[0 … r]`` = keys ``… t0 + r - w``, and the
+key weights ``ω_r = [t0 - w + r ≥ n_sink]`` drop the sinks and the padding before position 0. That keeps the
+kernel part's state and cost exactly those of the plain operator.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ..quadratic import KernelFactor, feature_dim, quadratic_attention
+from ..quadratic.utils import Dims, _need_finite, _need_shape, _need_tensor, compute_dtype
+
+MODES = ("naive", "chunk", "recurrent")
+
+
+class SinkWindowState(NamedTuple):
+    """Decoding state of the sink/window operator after ``offset`` tokens, per KV head (GQA: the query heads of a
+    group share it). Its size does not depend on ``offset``:
+
+    * ``kernel (B, Hkv, D, dv+1)``, D = 1 + d + d(d+1)/2: the packed quadratic state (Eq. 5) over the keys that
+      have left the window, ``n_sink ≤ j ≤ offset - 1 - w``; accumulation dtype (fp32, fp64 for fp64 inputs).
+    * ``sink_k (B, Hkv, n_sink, d)``, ``sink_v (B, Hkv, n_sink, dv)``: keys/values 0 … n_sink-1 (slots at or past
+      ``offset`` are zero and unused); the inputs' dtype.
+    * ``window_k (B, Hkv, w, d)``, ``window_v (B, Hkv, w, dv)``: keys/values ``offset-w … offset-1``, oldest
+      first, zero-padded on the left while ``offset < w``; the inputs' dtype. (A slide by one token costs the
+      same O(w) copy as a functional ring-buffer write, and the ordered layout is what a chunked continuation
+      reads directly.)
+    * ``offset``: tokens seen so far.
+
+    Bytes per sequence: ``Hkv · [D·(dv+1)·4 + (n_sink + w)·(d + dv)·itemsize]`` (fp32 state), whatever the
+    context length.
+    """
+
+    kernel: torch.Tensor
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    window_k: torch.Tensor
+    window_v: torch.Tensor
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the tensors of this state."""
+        return sum(t.numel() * t.element_size() for t in self[:5])
+
+
+def check_config(n_sink: int, window: int) -> None:
+    for name, x in (("n_sink", n_sink), ("window", window)):
+        if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+            raise ValueError(f"{name}: expected a non-negative integer, got {x!r}")
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+
+
+def check_beta(beta: torch.Tensor, dims: Dims) -> None:
+    """beta: ``(Hq,)`` finite per-head log-scale of the kernel part."""
+    beta = _need_tensor("beta", beta)
+    _need_shape("beta", beta, (dims.Hq,))
+    _need_finite("beta", beta)
+
+
+def check_state(state: SinkWindowState, dims: Dims, n_sink: int, window: int, dtype: torch.dtype) -> None:
+    """A state must come from the same configuration, batch, heads, head dims and input dtype."""
+    if not isinstance(state, SinkWindowState):
+        raise ValueError(f"initial_state: expected a SinkWindowState, got {type(state).__name__}")
+    B, _, Hkv, _, d, dv = dims
+    _need_shape(
+        "initial_state.kernel", _need_tensor("initial_state.kernel", state.kernel), (B, Hkv, feature_dim(d), dv + 1)
+    )
+    _need_finite("initial_state.kernel", state.kernel)
+    for name, x, n, width in (
+        ("sink_k", state.sink_k, n_sink, d),
+        ("sink_v", state.sink_v, n_sink, dv),
+        ("window_k", state.window_k, window, d),
+        ("window_v", state.window_v, window, dv),
+    ):
+        _need_shape(f"initial_state.{name}", _need_tensor(f"initial_state.{name}", x), (B, Hkv, n, width))
+        if x.dtype != dtype:
+            raise ValueError(f"initial_state.{name}: expected dtype {dtype} like the keys, got {x.dtype}")
+    if not isinstance(state.offset, int) or isinstance(state.offset, bool) or state.offset < 0:
+        raise ValueError(f"initial_state.offset: expected a non-negative integer, got {state.offset!r}")
+
+
+class Segment(NamedTuple):
+    """One segment's keys as the evaluation reads them (see the module docstring); inputs' dtype."""
+
+    ext_k: torch.Tensor  # (B, Hkv, w + N, d)
+    ext_v: torch.Tensor  # (B, Hkv, w + N, dv)
+    sink_k: torch.Tensor  # (B, Hkv, n_sink, d), slots this segment reaches filled in
+    sink_v: torch.Tensor  # (B, Hkv, n_sink, dv)
+    offset: int
+
+
+def prepare_segment(
+    k: torch.Tensor, v: torch.Tensor, n_sink: int, window: int, state: SinkWindowState | None
+) -> Segment:
+    """The window buffer followed by the segment (``ext``), and the sink buffers with the sink positions this
+    segment reaches filled in; a missing state is position 0 with empty (zero) buffers."""
+    B, Hkv, N, _ = k.shape
+    t0 = 0 if state is None else state.offset
+
+    def buffers(x: torch.Tensor, sink: torch.Tensor | None, win: torch.Tensor | None):
+        width = x.shape[-1]
+        if sink is None:
+            sink = x.new_zeros(B, Hkv, n_sink, width)
+            win = x.new_zeros(B, Hkv, window, width)
+        kept = min(t0, n_sink)
+        new = min(n_sink, t0 + N) - kept  # sink slots this segment fills
+        sink = torch.cat([sink[:, :, :kept], x[:, :, :new], sink[:, :, kept + new :]], dim=2)
+        return torch.cat([win, x], dim=2), sink
+
+    ext_k, sink_k = buffers(k, *((None, None) if state is None else (state.sink_k, state.window_k)))
+    ext_v, sink_v = buffers(v, *((None, None) if state is None else (state.sink_v, state.window_v)))
+    return Segment(ext_k, ext_v, sink_k, sink_v, t0)
+
+
+def evaluate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    C: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    dims: Dims,
+    n_sink: int,
+    window: int,
+    scale: float,
+    kernel_mode: str,
+    block: int,
+    chunk_size: int,
+    initial_state: SinkWindowState | None,
+    output_final_state: bool,
+    factor: KernelFactor | None,
+    kernel_floor: float | None,
+) -> tuple[torch.Tensor, SinkWindowState | None]:
+    """One segment: the kernel part through the quadratic operator (``kernel_mode``), then the exact part and
+    the combination for blocks of ``block`` queries. Inputs are validated by the caller."""
+    B, Hq, Hkv, N, d, dv = dims
+    G = dims.group
+    w = window
+    cdt = compute_dtype(q.dtype)
+    seg = prepare_segment(k, v, n_sink, w, initial_state)
+    t0 = seg.offset
+    ext_k, ext_v = seg.ext_k.to(cdt), seg.ext_v.to(cdt)
+    qc = q.to(cdt)
+
+    # kernel part over K_i: the plain operator on the delayed keys ext[0 … N-1] with the sinks/padding removed
+    key_weight = (torch.arange(N, device=q.device) + (t0 - w) >= n_sink).to(cdt).expand(B, Hkv, N)
+    o_kern, den, kernel_state = quadratic_attention(
+        qc,
+        ext_k[:, :, :N],
+        ext_v[:, :, :N],
+        a,
+        b,
+        C,
+        scale=scale,
+        mode=kernel_mode,
+        chunk_size=chunk_size,
+        initial_state=None if initial_state is None else initial_state.kernel,
+        output_final_state=output_final_state,
+        factor=factor,
+        kernel_floor=kernel_floor,
+        key_weight=key_weight,
+        return_denominator=True,
+    )
+    count = key_weight.cumsum(-1)  # kernel keys each query sees, (B, Hkv, N)
+    if initial_state is not None:
+        count = count + initial_state.kernel[:, :, :1, dv].to(cdt)
+    count = count[:, :, None]
+    den = den.view(B, Hkv, G, N)
+    # log of the kernel part's mass e^β Σ_K κ; -inf where K_i is empty (that part then contributes nothing)
+    log_mass = torch.where(
+        count > 0,
+        beta.to(cdt).view(Hkv, G, 1) + torch.log(torch.where(count > 0, den, torch.ones_like(den))),
+        torch.full_like(den, -math.inf),
+    )
+    o_kern = o_kern.view(B, Hkv, G, N, dv)
+
+    if n_sink == 0 and w == 0:
+        o = o_kern  # no exact set: the plain kernel, whatever β
+    else:
+        q_groups = qc.view(B, Hkv, G, N, d)
+        sink_k, sink_v = seg.sink_k.to(cdt), seg.sink_v.to(cdt)
+        outs = []
+        for start in range(0, N, block):
+            end = min(start + block, N)
+            keys, vals, mask = _exact_keys(ext_k, ext_v, sink_k, sink_v, start, end, t0, n_sink, w)
+            outs.append(
+                combine(
+                    q_groups[:, :, :, start:end],
+                    keys,
+                    vals,
+                    mask,
+                    scale,
+                    log_mass[..., start:end],
+                    o_kern[:, :, :, start:end],
+                )
+            )
+        o = torch.cat(outs, dim=3)
+    o = o.reshape(B, Hq, N, dv).to(q.dtype)
+
+    final = None
+    if output_final_state:
+        final = SinkWindowState(
+            kernel=kernel_state,
+            sink_k=seg.sink_k,
+            sink_v=seg.sink_v,
+            window_k=seg.ext_k[:, :, N:].clone(),
+            window_v=seg.ext_v[:, :, N:].clone(),
+            offset=t0 + N,
+        )
+    return o, final
+
+
+def _exact_keys(
+    ext_k: torch.Tensor,
+    ext_v: torch.Tensor,
+    sink_k: torch.Tensor,
+    sink_v: torch.Tensor,
+    start: int,
+    end: int,
+    t0: int,
+    n_sink: int,
+    w: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Candidate exact keys ``(B, Hkv, L, ·)`` of the queries ``start … end-1`` (segment-relative) and the mask
+    ``(n, L)`` of the ones in each query's E_i: the sinks j ≤ i, then the ext positions ``start+1 … end-1+w``,
+    of which query r takes ``r < p ≤ r + w`` with key index ``t0 - w + p ≥ n_sink`` (a sink in the window is
+    counted once, as a sink; padding before position 0 is never taken)."""
+    dev = ext_k.device
+    r = torch.arange(start, end, device=dev)[:, None]
+    keys, vals, masks = [], [], []
+    if n_sink:
+        keys.append(sink_k)
+        vals.append(sink_v)
+        masks.append(torch.arange(n_sink, device=dev)[None, :] <= r + t0)
+    if w:
+        p = torch.arange(start + 1, end + w, device=dev)[None, :]
+        keys.append(ext_k[:, :, start + 1 : end + w])
+        vals.append(ext_v[:, :, start + 1 : end + w])
+        masks.append((p > r) & (p <= r + w) & (p >= n_sink + w - t0))
+    if len(keys) == 1:
+        return keys[0], vals[0], masks[0]
+    return torch.cat(keys, dim=2), torch.cat(vals, dim=2), torch.cat(masks, dim=1)
+
+
+def combine(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    vals: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    log_mass: torch.Tensor,
+    o_kern: torch.Tensor,
+) -> torch.Tensor:
+    """Exact part plus kernel part in one normalisation, for a block of queries.
+
+    q ``(B, Hkv, G, n, d)``, keys ``(B, Hkv, L, d)``, vals ``(B, Hkv, L, dv)``, mask ``(n, L)``,
+    log_mass ``(B, Hkv, G, n)`` = ``β_h + log Σ_{K_i} κ_ij`` (-inf for an empty K_i),
+    o_kern ``(B, Hkv, G, n, dv)`` the normalised kernel output. With ``M_i = max(max_{E_i} s_ij, log_mass_i)``
+    every exponential below is ≤ 1 and the denominator is ≥ 1 (the term attaining M_i is 1), so nothing
+    overflows and nothing divides by zero; M_i cancels, so it is detached.
+    """
+    B, Hkv, G, n, d = q.shape
+    L = keys.shape[2]
+    logits = (q.reshape(B, Hkv, G * n, d) @ keys.mT).view(B, Hkv, G, n, L) * scale
+    logits = logits.masked_fill(~mask, -math.inf)
+    M = torch.maximum(logits.amax(-1), log_mass).detach()
+    p = torch.exp(logits - M[..., None])
+    kern_scale = torch.exp(log_mass - M)
+    den = p.sum(-1) + kern_scale
+    num = (p.view(B, Hkv, G * n, L) @ vals).view(B, Hkv, G, n, -1) + kern_scale[..., None] * o_kern
+    return num / den[..., None]
