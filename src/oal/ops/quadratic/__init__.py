@@ -18,6 +18,7 @@ from .utils import (
 )
 
 MODES = ("naive", "chunk", "recurrent")
+BACKENDS = ("auto", "torch", "triton")
 
 
 def quadratic_attention(
@@ -37,6 +38,7 @@ def quadratic_attention(
     key_weight: torch.Tensor | None = None,
     return_denominator: bool = False,
     kernel_floor: float | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None] | QuadraticAttentionOutput:
     """Causal normalised attention with the dimension-aware quadratic kernel of Eq. 3:
 
@@ -66,6 +68,11 @@ def quadratic_attention(
         kernel_floor: a known lower bound κ ≥ floor > 0 (OAL's ε). Denominators are then clamped to
             ``floor · (number of keys)``, which the exact value always exceeds, so fp32 rounding in the state
             readout can never make a denominator non-positive. Ignored by ``"naive"``.
+        backend: ``"torch"``, ``"triton"`` (the kernels of :mod:`.triton`; CUDA tensors, or CPU tensors under
+            ``TRITON_INTERPRET=1``; ``"chunk"`` and ``"recurrent"`` only; chunk_size one of 16/32/64/128; no
+            key_weight or return_denominator yet; the recurrent kernel is inference-only) or ``"auto"``: Triton
+            for CUDA tensors in fp16/bf16/fp32 when triton is installed and the call is one it takes, torch
+            otherwise. Both compute the same function.
 
     bf16/fp16 inputs accumulate in fp32; the output has q's dtype, the state the accumulation dtype.
     ``"chunk"`` and ``"naive"`` are differentiable in q, k, v, a, b and C.
@@ -74,6 +81,43 @@ def quadratic_attention(
         ``(o, final_state)``: o ``(B, Hq, N, dv)``; final_state as above, or None. With ``return_denominator``,
         ``(o, denominator, final_state)`` as a :class:`QuadraticAttentionOutput`.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    extras = key_weight is not None or return_denominator
+    if backend != "torch" and _use_triton(
+        backend, mode, q, v, chunk_size, extras, (q, k, v, a, b, C, initial_state, *(factor or ()))
+    ):
+        from . import triton as tri
+
+        if mode == "chunk":
+            return tri.chunk_quadratic_attention_triton(
+                q,
+                k,
+                v,
+                a,
+                b,
+                C,
+                scale=scale,
+                chunk_size=chunk_size,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                factor=factor,
+                kernel_floor=kernel_floor,
+            )
+        return tri.recurrent_quadratic_attention_triton(
+            q,
+            k,
+            v,
+            a,
+            b,
+            C,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            kernel_floor=kernel_floor,
+        )
     if mode == "chunk":
         return chunk_quadratic_attention(
             q,
@@ -120,10 +164,36 @@ def quadratic_attention(
             key_weight=key_weight,
             return_denominator=return_denominator,
         )
-    raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    raise AssertionError(mode)  # unreachable: mode was checked above
+
+
+def _use_triton(backend: str, mode: str, q, v, chunk_size: int, extras: bool, tensors: tuple) -> bool:
+    """Whether this call goes to the Triton kernels; with ``backend="triton"`` a call they cannot take raises."""
+    from .triton.utils import unsupported_reason
+
+    reason = None
+    if mode == "naive":
+        reason = "mode='naive' is the torch reference; use mode='chunk' or 'recurrent'"
+    elif extras:
+        reason = "key_weight and return_denominator are not implemented in the Triton kernels"
+    elif not all(isinstance(x, torch.Tensor) for x in (q, v)):
+        reason = "q and v must be tensors"
+    else:
+        reason = unsupported_reason(q, v, chunk_size if mode == "chunk" else None)
+        grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
+        if reason is None and mode == "recurrent" and grad:
+            reason = "mode='recurrent' is not differentiable on Triton; use mode='chunk' for training"
+        if reason is None and backend == "auto" and (q.device.type != "cuda" or q.dtype == torch.float64):
+            reason = "auto uses Triton for CUDA tensors in fp16/bf16/fp32 only"
+    if reason is None:
+        return True
+    if backend == "triton":
+        raise ValueError(f"backend='triton': {reason}")
+    return False
 
 
 __all__ = [
+    "BACKENDS",
     "KernelFactor",
     "MODES",
     "QuadraticAttentionOutput",
