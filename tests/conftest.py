@@ -10,6 +10,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Without a GPU the Triton kernels are tested in Triton's CPU interpreter. Triton reads this when it is first
+# imported (transformers and peft may import it long before tests/ops/test_triton.py runs), so set it here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def shared_data_dir() -> Path | None:
     env = os.environ.get("OAL_DATA_DIR")
