@@ -1,4 +1,6 @@
+import copy
 import json
+import pickle
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from oal.conversion import conversion_info, convert_model, default_layers, parse_layers
 from oal.grouping import GroupAssignment, group_heads
 from oal.kernels import OALKernel, PerformerKernel
-from oal.models import attached_kernels
+from oal.models import attached_kernels, detach_kernel
 
 BASELINES = ["global", "performer", "spectraformer", "dijiang", "taylorshift"]
 
@@ -214,3 +216,10 @@ def test_kernels_stay_fp32_when_the_model_is_cast(make_model):
     model.float()
     out = logits(model.to(torch.bfloat16), torch.randint(0, 256, (1, 9)))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    # the guard survives copies and pickles of the model, and leaves with the kernel
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        other.float().half()
+        assert attached_kernels(other)[1].L.dtype == torch.float32
+        assert other.model.layers[1].self_attn.q_proj.weight.dtype == torch.float16
+    detached = detach_kernel(model, 1)
+    assert detached.half().L.dtype == torch.float16

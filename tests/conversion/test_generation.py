@@ -111,17 +111,25 @@ def test_state_size_does_not_grow_with_the_context(make_model, kernel):
     assert kv_96 == [b * 12 for b in kv_8]  # softmax layers hold keys and values of every token
 
 
-def test_state_per_kv_or_query_head(make_model):
-    model = convert(make_model(num_kv_heads=2), "oal", layers=[1])
+@pytest.mark.parametrize(
+    ("kernel", "shape"),
+    [
+        ("oal", (1, 2, 1 + 8 + 36, 9)),  # per KV head, packed quadratic state (B, Hkv, 1 + d + d(d+1)/2, dv + 1)
+        ("global", (1, 2, 1 + 8 + 36, 9)),
+        ("taylorshift", (1, 2, 1 + 8 + 36, 9)),
+        ("dijiang", (1, 2, 8, 9)),  # LinearState per KV head, m = d features
+        ("performer", (1, 6, 16, 9)),  # LinearState per query head, m = num_features
+        ("spectraformer", (1, 6, 9, 9)),  # per query head, m = d + 1
+    ],
+)
+def test_state_per_kv_or_query_head(make_model, kernel, shape):
+    kw = {"num_features": 16} if kernel == "performer" else {}
+    model = convert(make_model(num_kv_heads=2), kernel, layers=[1], **kw)
     cache = KernelCache(model)
     with torch.no_grad():
         model(prompt(1, 5), cache=cache)
-    assert cache.layers[1].state.shape == (1, 2, 1 + 8 + 36, 9)  # per KV head, packed quadratic state
-    performer = convert_model(make_model(num_kv_heads=2), "performer", layers=[1], num_features=16)
-    cache = KernelCache(performer)
-    with torch.no_grad():
-        performer(prompt(1, 5), cache=cache)
-    assert cache.layers[1].state.kv.shape == (1, 6, 16, 9)  # per query head
+    state = cache.layers[1].state
+    assert tuple(getattr(state, "kv", state).shape) == shape
 
 
 @pytest.mark.parametrize("kernel", ["oal", "performer"])

@@ -28,7 +28,6 @@ Padding masks, sliding windows, softcapping and attention sinks are refused.
 from __future__ import annotations
 
 import math
-import types
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -252,20 +251,23 @@ def _forget_state_layer(module: nn.Module, args: tuple, kwargs: dict, output: ob
     module.__dict__.pop(_STATE_ATTR, None)
 
 
-def _apply(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
-    """``nn.Module._apply`` of an attached kernel: device moves and up-casts apply, casts of fp32/fp64 tensors to
-    fp16/bf16 do not (the tensor is only moved), so ``model.to(torch.bfloat16)`` keeps the kernel in fp32.
+class _KeepPrecisionApply:
+    """Replacement of an attached kernel's ``nn.Module._apply``: device moves and up-casts apply, casts of
+    fp32/fp64 tensors to fp16/bf16 do not (the tensor is only moved), so ``model.to(torch.bfloat16)`` keeps the
+    kernel in fp32. Installed on the kernel instance by :func:`attach_kernel`; an object rather than a bound
+    method so that it survives deep copies and pickling of the model."""
 
-    Installed on the kernel instance by :func:`attach_kernel` (named ``_apply`` so that pickling the model, which
-    stores bound methods by name, still works)."""
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
 
-    def keep_precision(t: torch.Tensor) -> torch.Tensor:
-        out = fn(t)
-        if isinstance(out, torch.Tensor) and out.dtype in _HALF and t.is_floating_point() and t.dtype not in _HALF:
-            return t.to(device=out.device)
-        return out
+    def __call__(self, fn, recurse: bool = True) -> nn.Module:
+        def keep_precision(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if isinstance(out, torch.Tensor) and out.dtype in _HALF and t.is_floating_point() and t.dtype not in _HALF:
+                return t.to(device=out.device)
+            return out
 
-    return type(self)._apply(self, keep_precision, recurse)
+        return type(self.module)._apply(self.module, keep_precision, recurse)
 
 
 def attach_kernel(model: PreTrainedModel, layer: int, kernel: AttentionKernel) -> None:
@@ -283,7 +285,7 @@ def attach_kernel(model: PreTrainedModel, layer: int, kernel: AttentionKernel) -
     if not math.isclose(kernel.scale, spec.scaling, rel_tol=1e-6):
         raise ValueError(f"kernel: expected scale {spec.scaling} like the model, got {kernel.scale}")
     module = get_attention_modules(model)[layer]
-    kernel._apply = types.MethodType(_apply, kernel)
+    kernel._apply = _KeepPrecisionApply(kernel)
     setattr(module, KERNEL_ATTR, kernel.to(module.q_proj.weight.device))
     if getattr(module, _HOOKS_ATTR, None) is None:
         setattr(
