@@ -87,14 +87,21 @@ def generate(
     temperature: Annotated[float, typer.Option("--temperature", help="0: greedy; > 0: sampling.")] = 0.0,
     seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
+    threads: Annotated[int, typer.Option("--threads", help="torch CPU threads (0: torch's default).")] = 0,
 ) -> None:
     """Continue a prompt with cached generation (converted layers keep their recurrent state); prints the text
     and the speed."""
+    import torch
+
     from ..models import load_model, load_tokenizer
     from .generate import generate_text
 
     if max_new_tokens < 1:
         raise typer.BadParameter(f"expected a positive integer, got {max_new_tokens}", param_hint="--max-new-tokens")
+    if threads < 0:
+        raise typer.BadParameter(f"expected a non-negative integer, got {threads}", param_hint="--threads")
+    if threads:
+        torch.set_num_threads(threads)
     console = Console(stderr=True)
     try:
         with console.status(f"loading {model}"):

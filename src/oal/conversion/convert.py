@@ -371,6 +371,9 @@ def save_converted(
         raise FileExistsError(f"out_dir: {out} is not empty; choose another directory or pass overwrite=True")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result should look like any new directory
     try:
         model.save_pretrained(tmp)
         if tokenizer is not None:

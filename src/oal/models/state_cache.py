@@ -5,7 +5,8 @@ A converted layer's cache entry is a :class:`KernelStateLayer`. Its ``update(k, 
 and values unchanged (nothing is concatenated or stored) and only counts them; the ``"oal"`` attention function
 (:mod:`oal.models.hooks`) then runs the kernel on the new tokens from the stored state (chunk mode for a prompt,
 recurrent mode for one token) and stores the state it returns. The state's size does not depend on the context
-length: ``(B, Hkv, 1 + d + d(d+1)/2, dv + 1)`` for OAL, the global quadratic and TaylorShift, a
+length: the packed state ``(B, Hkv, 1 + d + d(d+1)/2, dv + 1)`` of Eq. 5 (updated token by token as in Algorithm
+1) for OAL, the global quadratic and TaylorShift, a
 :class:`oal.ops.linear.LinearState` per KV head (DiJiang) or per query head (Performer, SpectraFormer), or
 whatever object another kernel's ``forward(..., output_final_state=True)`` returns. Batch operations (beam
 search, batch selection, offloading) map over the tensors of the state (a pytree: a tensor, a tuple / named tuple
