@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -92,6 +93,9 @@ def test_save_refuses_unconverted_models_and_non_empty_dirs(make_model, tmp_path
     save_converted(model, tmp_path / "busy", overwrite=True)
     assert is_converted_dir(tmp_path / "busy") and not (tmp_path / "busy" / "file").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["busy"]  # no temporary directories left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "busy").stat().st_mode & 0o777 == 0o777 & ~umask
 
 
 @pytest.fixture
