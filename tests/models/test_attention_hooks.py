@@ -196,7 +196,7 @@ def test_attach_kernel_validation(make_model):
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_kernels_refuse_padding_and_cache_decoding(make_model):
+def test_kernels_refuse_padding(make_model):
     model = make_model()
     attach_kernel(model, 2, SoftmaxKernel(6, 2, 8))
     ids = torch.randint(0, 101, (2, 10))
@@ -206,11 +206,29 @@ def test_kernels_refuse_padding_and_cache_decoding(make_model):
         logits(model, ids, attention_mask=mask)
     # An all-ones padding mask is plain causal attention and is accepted.
     torch.testing.assert_close(logits(model, ids, attention_mask=torch.ones_like(mask)), logits(model, ids))
+
+
+def test_softmax_kernel_decodes_from_its_kv_cache(make_model):
+    model = make_model(qk_gain=3.0)
+    ids = torch.randint(0, 101, (2, 10))
+    ref_cache = DynamicCache(config=model.config)
+    ref = [logits(model, ids[:, :7], cache=ref_cache), logits(model, ids[:, 7:], cache=ref_cache)]
+    attach_kernel(model, 2, SoftmaxKernel(6, 2, 8))
     cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(ids, cache=cache, use_cache=True)  # prefill: one full causal sequence, fine
-        with pytest.raises(ValueError, match="KV-cache decoding"):
-            model(ids[:, :1], cache=cache, use_cache=True)
+    out = [logits(model, ids[:, :7], cache=cache), logits(model, ids[:, 7:], cache=cache)]
+    assert cache.layers[2].keys.shape[2] == 10  # exact softmax keeps keys and values
+    for got, want in zip(out, ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_cache_filled_before_attaching_is_refused(make_model):
+    model = make_model()
+    ids = torch.randint(0, 101, (1, 6))
+    cache = DynamicCache(config=model.config)
+    logits(model, ids, cache=cache)
+    attach_kernel(model, 1, OALKernel(torch.zeros(6, 8, dtype=torch.long), num_kv_heads=2))
+    with pytest.raises(ValueError, match="layer 1 has a kernel.*holds keys and values"):
+        logits(model, ids[:, :1], cache=cache)
 
 
 def test_kernel_dtype_and_custom_kernel_is_called(make_model):

@@ -1,5 +1,6 @@
-"""Pretrained models: loading (embedded SmolLM2 GGUF, local directories, Hub ids), architecture access, and the
-``"oal"`` attention implementation for Q/K/V capture and per-layer kernel replacement."""
+"""Pretrained models: loading (embedded SmolLM2 GGUF, local directories, Hub ids), architecture access, the
+``"oal"`` attention implementation for Q/K/V capture and per-layer kernel replacement, and the cache that keeps
+attached kernels' recurrent state during generation."""
 
 from .architecture import (
     AttentionSpec,
@@ -30,18 +31,22 @@ from .loading import (
     resolve_model,
     smollm2_cache_dir,
 )
+from .state_cache import KernelCache, KernelStateLayer, cache_nbytes
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "QKV",
     "SMOLLM2_NAME",
     "AttentionSpec",
+    "KernelCache",
+    "KernelStateLayer",
     "ModelSource",
     "QKVRecorder",
     "apply_output_projection",
     "attach_kernel",
     "attached_kernels",
     "attention_spec",
+    "cache_nbytes",
     "capture_qkv",
     "detach_kernel",
     "embedded_gguf_path",

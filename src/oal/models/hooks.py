@@ -10,8 +10,19 @@ same masks as with ``"sdpa"``. For every attention call it looks at the calling 
 * if a :func:`capture_qkv` recorder is active on the module, q, k, v (and optionally the output) are recorded.
 
 The model is switched to ``"oal"`` only while a kernel is attached or a capture is running, and switched back to
-its previous implementation afterwards. Kernels see one full causal sequence per call: padding masks and KV-cache
-decoding steps are refused (recurrent decoding is added later on top of ``AttentionKernel.forward``'s state).
+its previous implementation afterwards.
+
+Caching and generation. A layer with a kernel keeps the kernel's recurrent state in the cache instead of keys and
+values (:class:`oal.models.state_cache.KernelStateLayer`). The attention function cannot see the cache (transformers
+passes it to the attention module, not to the attention function), so a forward pre-hook on every module with a
+kernel looks up the module's cache entry — turning the empty entry of a fresh ``DynamicCache`` into a
+``KernelStateLayer`` — and leaves it on the module for the duration of that forward. The cache entry's ``update``
+returns the new tokens' k, v unchanged; the attention function runs the kernel on them from the stored state
+(``mode="chunk"`` for several tokens, ``"recurrent"`` for one) and stores the new state. Without a cache, a kernel
+sees one full causal sequence. Exact-softmax kernels (:class:`oal.kernels.SoftmaxKernel`) keep keys and values like
+any softmax layer. Kernels run in fp32 at least (half-precision q, k, v are cast up, the output back), and an
+attached kernel's floating tensors are never cast below fp32 (``model.to(torch.bfloat16)`` leaves them in fp32).
+Padding masks, sliding windows, softcapping and attention sinks are refused.
 """
 
 from __future__ import annotations
@@ -27,13 +38,17 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..kernels.base import AttentionKernel
+from ..kernels.base import AttentionKernel, SoftmaxKernel
 from .architecture import attention_spec, check_layer, get_attention_modules
+from .state_cache import KernelStateLayer, kernel_state_layer
 
 ATTN_IMPLEMENTATION = "oal"
 KERNEL_ATTR = "oal_kernel"
 _RECORDER_ATTR = "_oal_recorder"
 _PREVIOUS_ATTR = "_oal_previous_attn_implementation"
+_HOOKS_ATTR = "_oal_cache_hooks"
+_STATE_ATTR = "_oal_state_layer"  # the module's KernelStateLayer during one forward (None: no cache)
+_HALF = (torch.float16, torch.bfloat16)
 # Attention-function arguments that change the softmax itself; a kernel cannot honour them.
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
 
@@ -96,14 +111,10 @@ class QKVRecorder(Mapping):
 
 
 def _check_kernel_call(
-    module: nn.Module, kernel: AttentionKernel, query, key, attention_mask, scaling, dropout, kwargs
-):
+    module: nn.Module, kernel: AttentionKernel, n: int, past: int, attention_mask, scaling, dropout, kwargs
+) -> None:
+    """The call must be plain causal attention of ``n`` new queries over ``past + n`` keys."""
     where = f"layer {module.layer_idx} ({type(kernel).__name__})"
-    if query.shape[2] != key.shape[2]:
-        raise ValueError(
-            f"{where}: kernels take one full causal sequence per call, got {query.shape[2]} queries against "
-            f"{key.shape[2]} keys (KV-cache decoding); run the model with use_cache=False"
-        )
     if not getattr(module, "is_causal", True):
         raise ValueError(f"{where}: kernels are causal, but this attention module is not")
     if dropout:
@@ -115,13 +126,56 @@ def _check_kernel_call(
         raise ValueError(f"{where}: kernel scale {kernel.scale} differs from the layer's scaling {scaling}")
     if attention_mask is not None:
         allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        n = query.shape[2]
-        causal = torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril()
-        if allowed.shape[-2:] != (n, n) or not bool((allowed == causal).all()):
+        device = allowed.device
+        causal = torch.arange(past + n, device=device)[None, :] <= torch.arange(past, past + n, device=device)[:, None]
+        if allowed.shape[-2:] != (n, past + n) or not bool((allowed == causal).all()):
             raise ValueError(
                 f"{where}: got a non-causal attention mask (padding, packed sequences or a sliding window); "
                 "kernels support plain causal attention only"
             )
+
+
+def _kernel_attention(
+    module: nn.Module,
+    kernel: AttentionKernel,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    kwargs: dict,
+) -> torch.Tensor:
+    """The kernel's attention output ``(B, N, Hq, dv)`` in value's dtype, continuing from the cached state."""
+    where = f"layer {module.layer_idx} ({type(kernel).__name__})"
+    n = query.shape[2]
+    layer: KernelStateLayer | None = getattr(module, _STATE_ATTR, None)
+    past = key.shape[2] - n if layer is None else layer.seen - n
+    _check_kernel_call(module, kernel, n, past, attention_mask, scaling, dropout, kwargs)
+    if isinstance(kernel, SoftmaxKernel) and past:
+        # exact softmax keeps keys and values: decoding is transformers' own SDPA call with the kernel's scale
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=kernel.scale, **kwargs)
+        return out
+    if key.shape[2] != n:
+        raise ValueError(
+            f"{where}: got {n} queries against {key.shape[2]} cached keys; a layer with a kernel keeps a recurrent "
+            "state, not keys and values: run the model with use_cache=False or a fresh cache"
+        )
+    q, k, v = (x.float() if x.dtype in _HALF else x for x in (query, key, value))
+    if layer is None:
+        o, _ = kernel(q, k, v)
+    else:
+        past, state = layer.take(n)
+        if past and state is None:
+            raise ValueError(
+                f"{where}: the kernel returned no recurrent state for the first {past} tokens, so this cache cannot "
+                "continue; run the model with use_cache=False"
+            )
+        o, state = kernel(
+            q, k, v, mode="recurrent" if n == 1 else "chunk", initial_state=state, output_final_state=True
+        )
+        layer.put(state)
+    return o.to(value.dtype).transpose(1, 2).contiguous()
 
 
 def oal_attention_forward(
@@ -134,17 +188,17 @@ def oal_attention_forward(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The ``"oal"`` attention function: query ``(B, Hq, N, d)``, key/value ``(B, Hkv, N, ·)`` ->
-    ``(attn_output (B, N, Hq, dv), attn_weights)``, as transformers' ``sdpa_attention_forward``."""
+    """The ``"oal"`` attention function: query ``(B, Hq, N, d)``, key/value ``(B, Hkv, N_kv, ·)`` ->
+    ``(attn_output (B, N, Hq, dv), attn_weights)``, as transformers' ``sdpa_attention_forward``. For a layer
+    with a recurrent kernel, N_kv = N (the new tokens; the past is in the cached state)."""
     kernel = getattr(module, KERNEL_ATTR, None)
     if kernel is None:
         out, weights = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     else:
-        _check_kernel_call(module, kernel, query, key, attention_mask, scaling, dropout, kwargs)
-        o, _ = kernel(query, key, value)
-        out, weights = o.to(value.dtype).transpose(1, 2).contiguous(), None
+        out = _kernel_attention(module, kernel, query, key, value, attention_mask, dropout, scaling, kwargs)
+        weights = None
     recorder = getattr(module, _RECORDER_ATTR, None)
     if recorder is not None:
         recorder.record(
@@ -181,10 +235,45 @@ def _sync_attn_implementation(model: PreTrainedModel) -> None:
         delattr(model, _PREVIOUS_ATTR)
 
 
+def _find_state_layer(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a module with a kernel: leave its cache entry on the module for the attention function."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    kernel = getattr(module, KERNEL_ATTR, None)
+    layer = None
+    if cache is not None and kernel is not None and not isinstance(kernel, SoftmaxKernel):
+        layer = kernel_state_layer(cache, module.layer_idx)
+        layer.expect_update()
+    setattr(module, _STATE_ATTR, layer)
+
+
+def _forget_state_layer(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+    """Forward hook (also run on exceptions): the cache must not outlive the forward through the module."""
+    module.__dict__.pop(_STATE_ATTR, None)
+
+
+class _KeepPrecisionApply:
+    """Replacement of an attached kernel's ``nn.Module._apply``: device moves and up-casts apply, casts of
+    fp32/fp64 tensors to fp16/bf16 do not (the tensor is only moved), so ``model.to(torch.bfloat16)`` keeps the
+    kernel in fp32. Installed on the kernel instance by :func:`attach_kernel`; an object rather than a bound
+    method so that it survives deep copies and pickling of the model."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, fn, recurse: bool = True) -> nn.Module:
+        def keep_precision(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if isinstance(out, torch.Tensor) and out.dtype in _HALF and t.is_floating_point() and t.dtype not in _HALF:
+                return t.to(device=out.device)
+            return out
+
+        return type(self.module)._apply(self.module, keep_precision, recurse)
+
+
 def attach_kernel(model: PreTrainedModel, layer: int, kernel: AttentionKernel) -> None:
     """Replace softmax attention in ``layer`` by ``kernel`` (stored as ``self_attn.oal_kernel``, so it moves with
-    the model and appears in its state dict). The kernel is moved to the layer's device, its dtype is kept.
-    Replaces any kernel already attached there."""
+    the model and appears in its state dict). The kernel is moved to the layer's device, its dtype is kept, and
+    later casts of the model leave it at fp32 or above. Replaces any kernel already attached there."""
     check_layer(model, layer)
     if not isinstance(kernel, AttentionKernel):
         raise ValueError(f"kernel: expected an oal.kernels.AttentionKernel, got {type(kernel).__name__}")
@@ -196,18 +285,33 @@ def attach_kernel(model: PreTrainedModel, layer: int, kernel: AttentionKernel) -
     if not math.isclose(kernel.scale, spec.scaling, rel_tol=1e-6):
         raise ValueError(f"kernel: expected scale {spec.scaling} like the model, got {kernel.scale}")
     module = get_attention_modules(model)[layer]
+    kernel._apply = _KeepPrecisionApply(kernel)
     setattr(module, KERNEL_ATTR, kernel.to(module.q_proj.weight.device))
+    if getattr(module, _HOOKS_ATTR, None) is None:
+        setattr(
+            module,
+            _HOOKS_ATTR,
+            (
+                module.register_forward_pre_hook(_find_state_layer, with_kwargs=True),
+                module.register_forward_hook(_forget_state_layer, with_kwargs=True, always_call=True),
+            ),
+        )
     _sync_attn_implementation(model)
 
 
 def detach_kernel(model: PreTrainedModel, layer: int) -> AttentionKernel:
-    """Remove and return the kernel attached to ``layer`` (softmax attention again)."""
+    """Remove and return the kernel attached to ``layer`` (softmax attention again). A cache filled while the
+    kernel was attached cannot be used afterwards (its entry for this layer holds the kernel's state)."""
     check_layer(model, layer)
     module = get_attention_modules(model)[layer]
     kernel = getattr(module, KERNEL_ATTR, None)
     if kernel is None:
         raise ValueError(f"layer: no kernel is attached to layer {layer}")
     delattr(module, KERNEL_ATTR)
+    for handle in getattr(module, _HOOKS_ATTR, None) or ():
+        handle.remove()
+    module.__dict__.pop(_HOOKS_ATTR, None)
+    kernel.__dict__.pop("_apply", None)
     _sync_attn_implementation(model)
     return kernel
 
@@ -236,7 +340,8 @@ def capture_qkv(
     Without attached kernels the forward is numerically identical to ``"sdpa"``. ``outputs`` also records the
     attention output before ``W_o``; ``keep_all`` keeps every call (e.g. several batches) instead of the latest;
     ``device`` is where copies are stored (None: where they were computed). Captured tensors are detached.
-    Under KV-cache decoding, k and v are the cache's full keys and values.
+    Under KV-cache decoding, k and v are the cache's full keys and values for softmax layers and the new tokens'
+    keys and values for layers with a recurrent kernel.
     """
     modules = get_attention_modules(model)
     if layers is None:

@@ -175,7 +175,8 @@ def load_model(
     """Load a causal LM in eval mode (see :func:`resolve_model` for what ``name_or_path`` may be).
 
     ``attn_implementation=None`` keeps transformers' default (SDPA). The source used is logged at INFO level and
-    available as ``model.oal_source`` (a :class:`ModelSource`).
+    available as ``model.oal_source`` (a :class:`ModelSource`). A directory written by
+    :func:`oal.conversion.save_converted` loads as the converted model, kernels attached.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
@@ -183,8 +184,12 @@ def load_model(
     kwargs = {"dtype": dtype}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    model = _from_pretrained(AutoModelForCausalLM, source, "model", **kwargs)
-    model = model.to(device).eval()
+    from ..conversion.convert import is_converted_dir, load_converted  # conversion builds on this module
+
+    if source.kind == "local" and is_converted_dir(source.path):
+        model = load_converted(source.path, **kwargs, device=device)
+    else:
+        model = _from_pretrained(AutoModelForCausalLM, source, "model", **kwargs).to(device).eval()
     model.oal_source = source
     logger.info("loaded model %s from %s (%s, %s)", name_or_path, source, dtype, device)
     return model

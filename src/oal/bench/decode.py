@@ -1,0 +1,306 @@
+"""The decode benchmark (`oal bench decode`): per-token latency and memory of cached generation against the
+context length, for the original model and its conversion (default: SmolLM2-135M with OAL on layers 3–26).
+
+Every (model, N) point runs in a fresh interpreter (``python -m oal.bench.decode --point SPEC --result PATH``):
+
+1. load the model (and convert it, or load a converted directory); ``torch.set_num_threads(threads)``;
+2. prefill N random tokens (seeded) into a fresh :class:`oal.models.KernelCache` (``logits_to_keep=1``), timed;
+3. ``warmup`` greedy decode steps, then ``steps`` timed ones, each a forward of one token on the cache
+   (``time.perf_counter``, device synchronised); ``ms_per_token`` is their median.
+
+Memory: ``cache_mb`` is the bytes the cache holds after the last step (keys and values of softmax layers,
+kernel states of converted ones: :func:`oal.models.state_cache.cache_nbytes`); ``peak_rss_mb`` the process's peak
+resident set up to the end of the prefill (VmHWM; on CUDA the allocator's peak), ``decode_peak_mb`` the peak
+above the resident memory before the decode steps, during them. Converted OAL layers use synthetic groups when
+no ``groups``/``calibrated`` file is given (the last two dimensions of each head in a second group): the
+recurrent OAL step costs the same for any grouping, since its packed state and coefficients have fixed sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from ..io import provenance, write_json, write_text
+from .devices import PROC_STATUS, get_device
+from .machine import parse_dtype
+from .op import _child_env, _describe_failure
+
+SCHEMA = "oal.bench.decode/1"
+RESULT_FILE = "decode.json"
+REPORT_FILE = "decode.md"
+FULL_SIZES = (1024, 2048, 4096, 8192)
+QUICK_SIZES = (256, 512)
+METHODS = ("original", "converted")
+MB = 2**20
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """What a point measures. ``converted``: a directory written by `oal convert` (then ``kernel``, ``layers``,
+    ``groups`` and ``calibrated`` are not used)."""
+
+    model: str = "smollm2-135m"
+    kernel: str = "oal"
+    layers: str = "3-26"
+    groups: str | None = None
+    calibrated: str | None = None
+    converted: str | None = None
+    batch: int = 1
+    steps: int = 32
+    warmup: int = 2
+    dtype: str = "fp32"
+    device: str = "cpu"
+    threads: int = 1
+    seed: int = 0
+    point_timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "steps", "threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        for name in ("warmup", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: expected a non-negative integer, got {value!r}")
+        parse_dtype(self.dtype)
+        get_device(self.device)
+        for name in ("groups", "calibrated", "converted"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).exists():
+                raise FileNotFoundError(f"{name}: no such file or directory: {path}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DecodeConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def synthetic_groups(num_heads: int, head_dim: int) -> torch.Tensor:
+    """``(Hq, d)`` group ids with the last two dimensions of every head in group 1, the rest in group 0."""
+    groups = torch.zeros(num_heads, head_dim, dtype=torch.long)
+    groups[:, -2:] = 1
+    return groups
+
+
+def build_model(method: str, config: DecodeConfig) -> torch.nn.Module:
+    """The original model or its conversion, in eval mode on the configured device and dtype."""
+    from ..conversion import convert_model, parse_layers
+    from ..models import attention_spec, load_model
+
+    dtype, device = parse_dtype(config.dtype), get_device(config.device).device
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    if method == "converted" and config.converted is not None:
+        return load_model(config.converted, dtype=dtype, device=device)
+    model = load_model(config.model, dtype=dtype, device=device)
+    if method == "original":
+        return model
+    groups = config.groups
+    if config.kernel == "oal" and groups is None and config.calibrated is None:
+        spec = attention_spec(model)
+        ids = synthetic_groups(spec.num_heads, spec.head_dim)
+        groups = {i: ids for i in parse_layers(config.layers, spec.num_layers)}
+    return convert_model(
+        model, config.kernel, layers=config.layers, groups=groups, calibrated=config.calibrated, seed=config.seed
+    )
+
+
+def _process_peak_bytes(kind: str, device: torch.device) -> int:
+    if kind == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    for line in PROC_STATUS.read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{PROC_STATUS} has no VmHWM line")
+
+
+def run_point(method: str, n: int, config: DecodeConfig) -> dict[str, object]:
+    """Measure one point in this process (call it in a fresh one; see the module docstring)."""
+    from ..models import KernelCache
+    from ..models.state_cache import cache_nbytes
+
+    torch.set_num_threads(config.threads)
+    device = get_device(config.device)
+    model = build_model(method, config)
+    gen = torch.Generator().manual_seed(config.seed)
+    ids = torch.randint(model.config.vocab_size, (config.batch, n), generator=gen).to(device.device)
+    cache = KernelCache(model)
+    with torch.no_grad():
+        start = time.perf_counter()
+        out = model(ids, cache=cache, logits_to_keep=1)
+        device.synchronize()
+        prefill_s = time.perf_counter() - start
+        peak_rss = _process_peak_bytes(device.kind, device.device)
+        token = out.logits[:, -1:].argmax(-1)
+        times: list[float] = []
+
+        def decode() -> None:
+            nonlocal token
+            for step in range(config.warmup + config.steps):
+                t0 = time.perf_counter()
+                logits = model(token, cache=cache).logits
+                token = logits[:, -1:].argmax(-1)
+                device.synchronize()
+                if step >= config.warmup:
+                    times.append(time.perf_counter() - t0)
+
+        memory = device.peak_during(decode)
+    median = statistics.median(times)
+    return {
+        "method": method,
+        "n": n,
+        "context_end": n + config.warmup + config.steps,
+        "prefill_s": prefill_s,
+        "ms_per_token": median * 1e3,
+        "mean_ms_per_token": statistics.fmean(times) * 1e3,
+        "min_ms_per_token": min(times) * 1e3,
+        "tokens_per_s": 1.0 / median,
+        "cache_mb": cache_nbytes(cache) / MB,
+        "peak_rss_mb": peak_rss / MB,
+        "decode_peak_mb": memory.peak_bytes / MB,
+        "times_ms": [t * 1e3 for t in times],
+        "device": device.kind,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def run_point_subprocess(method: str, n: int, config: DecodeConfig) -> dict[str, object]:
+    """One point in a fresh interpreter; a failure becomes a point with an ``error``."""
+    spec = json.dumps({"method": method, "n": n, "config": asdict(config)})
+    with tempfile.TemporaryDirectory(prefix="oal-decode-") as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "oal.bench.decode", "--point", spec, "--result", str(result)]
+        try:
+            proc = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=config.point_timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"method": method, "n": n, "error": f"timed out after {config.point_timeout_s:.0f} s"}
+        if proc.returncode != 0 or not result.is_file():
+            return {"method": method, "n": n, "error": _describe_failure(proc)}
+        return json.loads(result.read_text())
+
+
+DEFINITIONS = {
+    "prefill_s": "wall-clock seconds of the prefill forward over N random tokens into a fresh KernelCache",
+    "ms_per_token": "median wall-clock time of one greedy decode step (a one-token forward on the cache, device "
+    "synchronised), over `steps` steps after `warmup` untimed ones",
+    "tokens_per_s": "1000 / ms_per_token",
+    "cache_mb": "bytes held by the cache after the last step: keys and values of softmax layers, recurrent "
+    "states of converted ones",
+    "peak_rss_mb": "peak resident set of the point's process (model, inputs, prefill) up to the end of the "
+    "prefill (VmHWM); on CUDA torch.cuda.max_memory_allocated",
+    "decode_peak_mb": "peak memory above the resident memory before the decode steps, during them",
+}
+
+
+def run_sweep(
+    config: DecodeConfig,
+    sizes: list[int],
+    out_dir: Path,
+    *,
+    methods: tuple[str, ...] = METHODS,
+    on_point: Callable[[dict[str, object], int, int], None] | None = None,
+    runner: Callable[[str, int, DecodeConfig], dict[str, object]] = run_point_subprocess,
+) -> dict[str, object]:
+    """Measure ``methods × sizes`` (N ascending), writing ``decode.json`` after every point and the Markdown
+    report at the end; returns the result document. ``runner`` exists for tests."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ValueError(f"methods: expected names from {METHODS}, got {list(methods)}")
+    if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
+        raise ValueError(f"sizes: expected positive integers, got {sizes!r}")
+    doc: dict[str, object] = {
+        "schema": SCHEMA,
+        "config": asdict(config),
+        "provenance": provenance(),
+        "device": get_device(config.device).describe(),
+        "definitions": DEFINITIONS,
+        "points": [],
+    }
+    todo = [(m, n) for n in sorted(sizes) for m in methods]
+    for index, (method, n) in enumerate(todo, 1):
+        point = runner(method, n, config)
+        doc["points"].append(point)
+        write_json(out_dir / RESULT_FILE, doc)
+        if on_point:
+            on_point(point, index, len(todo))
+    write_text(out_dir / REPORT_FILE, markdown(doc))
+    return doc
+
+
+def _fmt(x: object, digits: int = 1) -> str:
+    return "–" if x is None else f"{x:,.{digits}f}"
+
+
+def table_rows(doc: dict) -> list[list[str]]:
+    """Rows of the report table: N, model, prefill s, ms/token, tokens/s, cache MB, peak RSS MB, decode peak MB
+    (an error in place of the numbers for a failed point)."""
+    rows = []
+    for p in doc["points"]:
+        if p.get("error"):
+            rows.append([str(p["n"]), p["method"], f"failed: {p['error']}", "", "", "", "", ""])
+            continue
+        rows.append(
+            [
+                str(p["n"]),
+                p["method"],
+                _fmt(p["prefill_s"], 2),
+                _fmt(p["ms_per_token"], 2),
+                _fmt(p["tokens_per_s"], 1),
+                _fmt(p["cache_mb"], 1),
+                _fmt(p["peak_rss_mb"], 0),
+                _fmt(p["decode_peak_mb"], 1),
+            ]
+        )
+    return rows
+
+
+HEADER = ["N", "model", "prefill s", "ms/token", "tokens/s", "cache MB", "peak RSS MB", "decode peak MB"]
+
+
+def markdown(doc: dict) -> str:
+    config, dev = doc["config"], doc["device"]
+    what = (
+        f"converted directory `{config['converted']}`"
+        if config.get("converted")
+        else f"`{config['kernel']}` on layers {config['layers']}"
+    )
+    lines = [
+        "# Decode benchmark",
+        "",
+        f"Model `{config['model']}`; converted: {what}. Batch {config['batch']}, {config['dtype']}, "
+        f"{config['device']} ({dev.get('name', '')}), {config['threads']} thread(s); {config['steps']} timed steps "
+        f"after {config['warmup']} warm-up steps.",
+        f"Command: `{doc['provenance']['command']}` ({doc['provenance']['time_utc']}).",
+        "",
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "---|" * len(HEADER),
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(doc)]
+    lines += ["", "Definitions:", ""] + [f"- `{k}`: {v}" for k, v in doc["definitions"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _child_main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m oal.bench.decode", description="Run one decode point.")
+    parser.add_argument("--point", required=True, help='JSON {"method", "n", "config"}')
+    parser.add_argument("--result", required=True, type=Path, help="where to write the result JSON")
+    args = parser.parse_args(argv)
+    spec = json.loads(args.point)
+    result = run_point(spec["method"], int(spec["n"]), DecodeConfig.from_dict(spec["config"]))
+    write_json(args.result, result)
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -1,0 +1,197 @@
+"""`oal convert`, `oal generate` and `oal bench decode`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+_OPTION_OF = {
+    "kernel": "--kernel",
+    "layers": "--layers",
+    "calibrated": "--calibrated",
+    "groups": "--groups",
+    "out_dir": "--out",
+    "name_or_path": "--model",
+    "model": "--model",
+    "path": "--model",
+    "prompt": "--prompt",
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "sizes": "--sizes",
+    "methods": "--methods",
+}
+
+
+def _bad(err: Exception) -> typer.BadParameter:
+    """A usage error whose option is the argument the message starts with (``"groups: …"`` -> ``--groups``)."""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    m = re.match(r"(\w+):", message)
+    return typer.BadParameter(message, param_hint=_OPTION_OF.get(m[1]) if m else None)
+
+
+def convert(
+    out: Annotated[Path, typer.Option("--out", help="Directory for the converted model (must be new or empty).")],
+    model: Annotated[str, typer.Option("--model", help="Model name, directory or Hub id.")] = "smollm2-135m",
+    kernel: Annotated[str, typer.Option("--kernel", help="Kernel name from oal.kernels.KERNELS.")] = "oal",
+    layers: Annotated[
+        str, typer.Option("--layers", help="Layers to convert, e.g. '3-26' or '3,5,8-10' (default: App. F range).")
+    ] = "",
+    calibrated: Annotated[
+        Path | None, typer.Option("--calibrated", help="Calibrated parameters: params.safetensors or its directory.")
+    ] = None,
+    groups: Annotated[Path | None, typer.Option("--groups", help="Dimension groups JSON (`oal group`).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the baselines' random projections.")] = 0,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --out directory.")] = False,
+) -> None:
+    """Replace the attention of a layer range by a kernel and save the converted model (loads with
+    `oal.models.load_model(DIR)`)."""
+    from ..kernels import KERNELS
+    from ..models import load_model, load_tokenizer
+    from .convert import convert_model, save_converted
+
+    if kernel not in KERNELS:
+        raise typer.BadParameter(f"expected one of {', '.join(KERNELS)}, got {kernel!r}", param_hint="--kernel")
+    for name, path in (("--calibrated", calibrated), ("--groups", groups)):
+        if path is not None and not path.exists():
+            raise typer.BadParameter(f"no such file or directory: {path}", param_hint=name)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+        raise typer.BadParameter(f"{out} exists and is not an empty directory (pass --overwrite)", param_hint="--out")
+    console = Console(stderr=True)
+    try:
+        with console.status(f"loading {model}"):
+            base = load_model(model)
+            tokenizer = load_tokenizer(model)
+        convert_model(base, kernel, layers=layers or None, calibrated=calibrated, groups=groups, seed=seed)
+        with console.status(f"writing {out}"):
+            save_converted(base, out, tokenizer=tokenizer, overwrite=overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        raise _bad(err) from err
+    info = base.config.oal_conversion
+    layer_list = info["layers"]
+    console.print(
+        f"converted {len(layer_list)} layers ({layer_list[0]}–{layer_list[-1]}) of {model} to {kernel!r}"
+        f"{' from calibrated parameters' if calibrated else ''}; wrote {out}"
+    )
+
+
+def generate(
+    model: Annotated[str, typer.Option("--model", help="Converted model directory (or any model name).")],
+    prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.")],
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens to generate at most.")] = 64,
+    temperature: Annotated[float, typer.Option("--temperature", help="0: greedy; > 0: sampling.")] = 0.0,
+    seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
+    threads: Annotated[int, typer.Option("--threads", help="torch CPU threads (0: torch's default).")] = 0,
+) -> None:
+    """Continue a prompt with cached generation (converted layers keep their recurrent state); prints the text
+    and the speed."""
+    import torch
+
+    from ..models import load_model, load_tokenizer
+    from .generate import generate_text
+
+    if max_new_tokens < 1:
+        raise typer.BadParameter(f"expected a positive integer, got {max_new_tokens}", param_hint="--max-new-tokens")
+    if threads < 0:
+        raise typer.BadParameter(f"expected a non-negative integer, got {threads}", param_hint="--threads")
+    if threads:
+        torch.set_num_threads(threads)
+    console = Console(stderr=True)
+    try:
+        with console.status(f"loading {model}"):
+            lm = load_model(model, device=device)
+            tokenizer = load_tokenizer(model)
+        result = generate_text(lm, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    except (ValueError, FileNotFoundError, OSError) as err:
+        raise _bad(err) from err
+    typer.echo(prompt + result.text)
+    console.print(
+        f"{result.new_tokens} tokens in {result.total_s:.2f} s ({result.tokens_per_s:.1f} tokens/s; "
+        f"prompt of {result.prompt_tokens} tokens + first token {result.first_token_s:.2f} s, then "
+        f"{result.decode_tokens_per_s:.1f} tokens/s)"
+    )
+
+
+def bench_decode(
+    out: Annotated[Path, typer.Option("--out", help="Output folder (decode.json, decode.md).")] = Path(
+        "runs/bench_decode"
+    ),
+    model: Annotated[str, typer.Option("--model", help="Base model.")] = "smollm2-135m",
+    converted: Annotated[
+        Path | None, typer.Option("--converted", help="Converted model directory (default: convert here).")
+    ] = None,
+    kernel: Annotated[str, typer.Option("--kernel")] = "oal",
+    layers: Annotated[str, typer.Option("--layers")] = "3-26",
+    groups: Annotated[Path | None, typer.Option("--groups", help="Groups JSON (default: synthetic groups).")] = None,
+    calibrated: Annotated[Path | None, typer.Option("--calibrated")] = None,
+    sizes: Annotated[str, typer.Option("--sizes", help="Comma-separated context lengths.")] = "1024,2048,4096,8192",
+    methods: Annotated[str, typer.Option("--methods", help="original, converted or both.")] = "original,converted",
+    quick: Annotated[bool, typer.Option("--quick", help="Smoke preset: N = 256, 512 and 4 decode steps.")] = False,
+    steps: Annotated[int, typer.Option("--steps", help="Timed decode steps per point.")] = 32,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed decode steps first.")] = 2,
+    batch: Annotated[int, typer.Option("--batch")] = 1,
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
+    threads: Annotated[int, typer.Option("--threads", help="torch threads per point.")] = 1,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds before a point's process is stopped.")] = 3600.0,
+) -> None:
+    """Decode latency and memory against the context length, original against converted model; each point in a
+    fresh process."""
+    from ..bench.decode import HEADER, QUICK_SIZES, DecodeConfig, run_sweep, table_rows
+
+    try:
+        config = DecodeConfig(
+            model=model,
+            kernel=kernel,
+            layers=layers,
+            groups=None if groups is None else str(groups),
+            calibrated=None if calibrated is None else str(calibrated),
+            converted=None if converted is None else str(converted),
+            batch=batch,
+            steps=4 if quick else steps,
+            warmup=1 if quick else warmup,
+            dtype=dtype,
+            device=device,
+            threads=threads,
+            seed=seed,
+            point_timeout_s=timeout,
+        )
+        n_list = list(QUICK_SIZES) if quick else [int(x) for x in sizes.split(",") if x.strip()]
+        method_list = tuple(m.strip() for m in methods.split(",") if m.strip())
+    except (ValueError, FileNotFoundError) as err:
+        raise _bad(err) from err
+    console = Console(stderr=True)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("decode points", total=len(n_list) * len(method_list))
+
+        def on_point(point: dict, index: int, total: int) -> None:
+            progress.update(task, completed=index)
+
+        try:
+            doc = run_sweep(config, n_list, out, methods=method_list, on_point=on_point)
+        except ValueError as err:
+            raise _bad(err) from err
+    table = Table(title="decode: per-token latency and memory")
+    for name in HEADER:
+        table.add_column(name, justify="right")
+    for row in table_rows(doc):
+        table.add_row(*row)
+    Console().print(table)
+    console.print(f"wrote {out / 'decode.json'}, {out / 'decode.md'}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `oal convert`, `oal generate` and `oal bench decode` (to the `bench` group of `oal.bench.cli`)."""
+    from ..bench.cli import bench_app
+
+    app.command("convert")(convert)
+    app.command("generate")(generate)
+    bench_app.command("decode")(bench_decode)

@@ -1,0 +1,77 @@
+"""`oal bench decode`: one point measured in this process on a tiny saved model, the sweep and its report."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from oal.bench.decode import DecodeConfig, markdown, run_point, run_sweep, synthetic_groups
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_synthetic_groups():
+    g = synthetic_groups(3, 8)
+    assert g.shape == (3, 8) and g[:, :6].eq(0).all() and g[:, 6:].eq(1).all()
+
+
+@pytest.mark.parametrize("kernel", ["oal", "performer"])
+def test_run_point_in_process(tiny_dir, kernel):
+    config = DecodeConfig(model=str(tiny_dir), kernel=kernel, layers="1-2", steps=3, warmup=1)
+    small, large = run_point("converted", 8, config), run_point("converted", 40, config)
+    original = run_point("original", 40, config)
+    for p in (small, large, original):
+        assert len(p["times_ms"]) == 3 and p["ms_per_token"] > 0 and p["peak_rss_mb"] > 0
+        assert p["context_end"] == p["n"] + 4
+    # converted layers hold a fixed-size state; the two softmax layers grow by 32 tokens of keys and values
+    kv_growth = 2 * 2 * 2 * 32 * 8 * 4  # layers × (k, v) × kv heads × tokens × head_dim × fp32 bytes
+    assert large["cache_mb"] - small["cache_mb"] == pytest.approx(kv_growth / 2**20)
+    assert original["cache_mb"] == pytest.approx(4 * 2 * 2 * 44 * 8 * 4 / 2**20)
+
+
+def test_config_validation(tmp_path):
+    with pytest.raises(ValueError, match="steps: expected a positive integer"):
+        DecodeConfig(steps=0)
+    with pytest.raises(FileNotFoundError, match="groups: no such file"):
+        DecodeConfig(groups=str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="device"):
+        DecodeConfig(device="tpu")
+
+
+def test_sweep_writes_json_and_markdown(tmp_path):
+    def fake(method, n, config):
+        if method == "converted" and n == 2048:
+            return {"method": method, "n": n, "error": "killed by signal 9 (out of memory?)"}
+        ms = 10.0 if method == "original" else 5.0
+        return {"method": method, "n": n, "prefill_s": 1.5, "ms_per_token": ms, "tokens_per_s": 1000 / ms,
+                "cache_mb": n / 100, "peak_rss_mb": 900.0, "decode_peak_mb": 2.0}  # fmt: skip
+
+    seen = []
+    doc = run_sweep(DecodeConfig(), [2048, 1024], tmp_path, runner=fake, on_point=lambda p, i, t: seen.append((i, t)))
+    assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert [(p["method"], p["n"]) for p in doc["points"]] == [
+        ("original", 1024), ("converted", 1024), ("original", 2048), ("converted", 2048)
+    ]  # fmt: skip
+    assert json.loads((tmp_path / "decode.json").read_text()) == json.loads(json.dumps(doc))
+    md = (tmp_path / "decode.md").read_text()
+    assert md == markdown(doc)
+    assert "| 1024 | converted | 1.50 | 5.00 | 200.0 | 10.2 | 900 | 2.0 |" in md
+    assert "| 2048 | converted | failed: killed by signal 9 (out of memory?) |" in md
+    with pytest.raises(ValueError, match="methods"):
+        run_sweep(DecodeConfig(), [16], tmp_path, methods=("fast",), runner=fake)

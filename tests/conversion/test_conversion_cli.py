@@ -1,0 +1,119 @@
+"""`oal convert`, `oal generate` and `oal bench decode` on tiny models saved in temporary directories."""
+
+import json
+
+import pytest
+import typer
+from transformers import GPT2Config, GPT2LMHeadModel
+from typer.testing import CliRunner
+
+from oal.bench.cli import register as register_bench
+from oal.conversion.cli import register
+from oal.grouping import group_heads
+from oal.models import attached_kernels, load_model
+
+RUNNER = CliRunner(env={"COLUMNS": "250", "NO_COLOR": "1"})
+
+
+def make_app() -> typer.Typer:
+    app = typer.Typer()
+
+    @app.callback()
+    def main() -> None:
+        pass
+
+    register_bench(app)
+    register(app)
+    return app
+
+
+def invoke(*args):
+    return RUNNER.invoke(make_app(), [str(a) for a in args])
+
+
+@pytest.fixture
+def base_dir(tmp_path, make_model, tokenizer):
+    path = tmp_path / "tiny"
+    make_model().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_groups(path, num_heads=6, layers=(1, 2)):
+    import torch
+
+    chi = torch.rand(len(layers), 4, num_heads, 8, generator=torch.Generator().manual_seed(0))
+    group_heads(chi, model_id="tiny", alpha=0.5, gamma=0.0, n_boot=10, layers=list(layers)).save(path)
+    return path
+
+
+def test_convert_then_generate(base_dir, tmp_path):
+    out = tmp_path / "converted"
+    groups = write_groups(tmp_path / "groups.json")
+    result = invoke(
+        "convert", "--model", base_dir, "--kernel", "oal", "--layers", "1-2", "--groups", groups, "--out", out
+    )
+    assert result.exit_code == 0, result.output
+    assert "converted 2 layers (1–2)" in result.output
+    model = load_model(out)
+    assert sorted(attached_kernels(model)) == [1, 2]
+    result = invoke("generate", "--model", out, "--prompt", "Hello", "--max-new-tokens", "5")
+    assert result.exit_code == 0, result.output
+    assert "\nHello" in result.output and "5 tokens in" in result.output and "tokens/s" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "option", "message"),
+    [
+        (["--kernel", "mamba"], "--kernel", "expected one of softmax, global, oal"),
+        (["--kernel", "taylorshift", "--layers", "2-9"], "--layers", "expected indices in [0, 4)"),
+        (["--kernel", "oal", "--layers", "1", "--calibrated", "missing.safetensors"], "--calibrated", "no such file"),
+        (["--kernel", "oal", "--layers", "1"], "--groups", "needs dimension groups"),
+        (["--kernel", "performer", "--layers", "1", "--groups", "GROUPS4"], "--groups", "only the 'oal' kernel"),
+        (["--kernel", "oal", "--layers", "1", "--groups", "GROUPS4"], "--groups", "made for num_heads=4"),
+    ],
+)
+def test_convert_usage_errors(base_dir, tmp_path, args, option, message):
+    groups4 = write_groups(tmp_path / "g4.json", num_heads=4)
+    args = [str(groups4) if a == "GROUPS4" else str(tmp_path / a) if a.endswith(".safetensors") else a for a in args]
+    result = invoke("convert", "--model", base_dir, *args, "--out", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert option in result.output and message in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_unsupported_models_and_busy_dirs(tmp_path, tokenizer, base_dir):
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=256, n_positions=32)).save_pretrained(gpt2)
+    tokenizer.save_pretrained(gpt2)
+    result = invoke("convert", "--model", gpt2, "--kernel", "taylorshift", "--layers", "0", "--out", tmp_path / "o")
+    assert result.exit_code == 2 and "model type 'gpt2'" in result.output
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("")
+    result = invoke(
+        "convert", "--model", base_dir, "--kernel", "taylorshift", "--layers", "1", "--out", tmp_path / "busy"
+    )
+    assert result.exit_code == 2 and "not an empty directory" in result.output
+
+
+def test_generate_usage_errors(base_dir, tmp_path):
+    result = invoke("generate", "--model", tmp_path / "nowhere", "--prompt", "x")
+    assert result.exit_code == 2 and "no such model directory" in result.output
+    result = invoke("generate", "--model", base_dir, "--prompt", "x", "--max-new-tokens", "0")
+    assert result.exit_code == 2 and "--max-new-tokens" in result.output
+
+
+@pytest.mark.slow
+def test_bench_decode_runs_points_in_subprocesses(base_dir, tmp_path):
+    out = tmp_path / "bench"
+    result = invoke(
+        "bench", "decode", "--model", base_dir, "--kernel", "taylorshift", "--layers", "1-2", "--sizes", "16,32",
+        "--steps", "2", "--warmup", "0", "--out", out,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "decode.json").read_text())
+    assert [(p["method"], p["n"]) for p in doc["points"]] == [
+        ("original", 16), ("converted", 16), ("original", 32), ("converted", 32)
+    ]  # fmt: skip
+    assert all("error" not in p for p in doc["points"]), doc["points"]
+    assert "| 32 | converted |" in (out / "decode.md").read_text()

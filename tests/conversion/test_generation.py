@@ -1,0 +1,197 @@
+"""Cached generation (recurrent kernel state in converted layers, keys and values elsewhere) against greedy decoding
+that recomputes the whole sequence every step."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from oal.conversion import convert_model
+from oal.kernels import AttentionKernel
+from oal.models import KernelCache, KernelStateLayer, attach_kernel, cache_nbytes, detach_kernel
+from oal.models.state_cache import layer_nbytes
+
+KERNELS = ["oal", "global", "performer", "spectraformer", "dijiang", "taylorshift", "softmax"]
+
+
+def prompt(batch: int, n: int, seed: int = 0) -> torch.Tensor:
+    # token 0 is the pad token: keep it out of prompts, or generate() would infer a padding mask
+    return torch.randint(1, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def convert(model, kernel, layers="1-2", **kw):
+    if kernel == "oal":
+        g = torch.Generator().manual_seed(0)
+        kw["groups"] = {i: torch.randint(0, 3, (model.config.num_attention_heads, 8), generator=g) for i in range(4)}
+    return convert_model(model, kernel, layers=layers, **kw)
+
+
+def recompute_greedy(model, ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens and per-step last-position logits, re-running the full sequence without a cache."""
+    seq, steps_logits = ids, []
+    with torch.no_grad():
+        for _ in range(steps):
+            last = model(seq, use_cache=False).logits[:, -1]
+            steps_logits.append(last)
+            seq = torch.cat([seq, last.argmax(-1, keepdim=True)], dim=1)
+    return seq, torch.stack(steps_logits, 1)
+
+
+def cached_greedy(model, ids: torch.Tensor, steps: int, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=steps, do_sample=False, return_dict_in_generate=True, output_logits=True, **kw
+        )
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def assert_same_generation(model, ids, steps=10, **kw):
+    want, want_logits = recompute_greedy(model, ids, steps)
+    got, got_logits = cached_greedy(model, ids, steps, **kw)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_cached_generation_equals_recomputation(make_model, kernel):
+    model = convert(make_model("llama", num_kv_heads=2), kernel, seed=1)
+    # 70 prompt tokens: the prefill spans two chunks of the chunked kernels
+    assert_same_generation(model, prompt(1, 70))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("kv", [6, 2])
+@pytest.mark.parametrize("kernel", ["oal", "performer"])
+def test_cached_generation_families(make_model, arch, kv, kernel):
+    model = convert(make_model(arch, num_kv_heads=kv), kernel, layers=[0, 2])
+    assert_same_generation(model, prompt(2, 13), steps=6)
+
+
+def test_generation_with_an_explicit_kernel_cache(make_model):
+    model = convert(make_model(), "oal")
+    cache = KernelCache(model)
+    assert [type(layer).__name__ for layer in cache.layers] == [
+        "DynamicLayer",
+        "KernelStateLayer",
+        "KernelStateLayer",
+        "DynamicLayer",
+    ]
+    ids = prompt(1, 9)
+    want, _ = recompute_greedy(model, ids, 5)
+    got, _ = cached_greedy(model, ids, 5, cache=cache)
+    assert torch.equal(got, want)
+    assert cache.get_seq_length() == 13 and cache.layers[1].get_seq_length() == 13
+    assert cache.layers[1].keys is None  # converted layers store no keys or values
+
+
+def test_multi_token_continuation_matches_one_pass(make_model):
+    model = convert(make_model(), "performer")
+    ids = prompt(2, 40)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = DynamicCache(config=model.config)
+        parts = [model(ids[:, a:b], cache=cache).logits for a, b in ((0, 17), (17, 18), (18, 40))]
+    assert isinstance(cache.layers[1], KernelStateLayer)  # the fresh DynamicCache's entry was taken over
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("kernel", ["oal", "performer", "dijiang"])
+def test_state_size_does_not_grow_with_the_context(make_model, kernel):
+    model = convert(make_model(), kernel)
+    sizes = {}
+    for n in (8, 96):
+        cache = KernelCache(model)
+        with torch.no_grad():
+            model(prompt(1, n), cache=cache)
+        sizes[n] = [(type(layer).__name__, layer_nbytes(layer)) for layer in cache.layers]
+        assert cache_nbytes(cache) == sum(b for _, b in sizes[n])
+    converted = [b for (name, b) in sizes[8] if name == "KernelStateLayer"]
+    assert converted == [b for (name, b) in sizes[96] if name == "KernelStateLayer"] and all(converted)
+    kv_8 = [b for (name, b) in sizes[8] if name == "DynamicLayer"]
+    kv_96 = [b for (name, b) in sizes[96] if name == "DynamicLayer"]
+    assert kv_96 == [b * 12 for b in kv_8]  # softmax layers hold keys and values of every token
+
+
+@pytest.mark.parametrize(
+    ("kernel", "shape"),
+    [
+        ("oal", (1, 2, 1 + 8 + 36, 9)),  # per KV head, packed quadratic state (B, Hkv, 1 + d + d(d+1)/2, dv + 1)
+        ("global", (1, 2, 1 + 8 + 36, 9)),
+        ("taylorshift", (1, 2, 1 + 8 + 36, 9)),
+        ("dijiang", (1, 2, 8, 9)),  # LinearState per KV head, m = d features
+        ("performer", (1, 6, 16, 9)),  # LinearState per query head, m = num_features
+        ("spectraformer", (1, 6, 9, 9)),  # per query head, m = d + 1
+    ],
+)
+def test_state_per_kv_or_query_head(make_model, kernel, shape):
+    kw = {"num_features": 16} if kernel == "performer" else {}
+    model = convert(make_model(num_kv_heads=2), kernel, layers=[1], **kw)
+    cache = KernelCache(model)
+    with torch.no_grad():
+        model(prompt(1, 5), cache=cache)
+    state = cache.layers[1].state
+    assert tuple(getattr(state, "kv", state).shape) == shape
+
+
+@pytest.mark.parametrize("kernel", ["oal", "performer"])
+def test_beam_search_reorders_kernel_states(make_model, kernel):
+    model = convert(make_model(), kernel)
+    ids = prompt(2, 11)
+    kw = dict(max_new_tokens=6, num_beams=3, num_return_sequences=2, do_sample=False)
+    with torch.no_grad():
+        want = model.generate(ids, use_cache=False, **kw)
+        got = model.generate(ids, **kw)
+    assert torch.equal(got, want)
+
+
+def test_bf16_model_generates_with_fp32_kernels_and_states(make_model):
+    model = convert(make_model(), "oal").to(torch.bfloat16)
+    cache = KernelCache(model)
+    with torch.no_grad():
+        out = model.generate(prompt(1, 9), max_new_tokens=4, do_sample=False, cache=cache)
+    assert out.shape == (1, 13)
+    assert model.model.layers[1].self_attn.oal_kernel.L.dtype == torch.float32
+    assert cache.layers[1].state.dtype == torch.float32 and cache.layers[0].keys.dtype == torch.bfloat16
+
+
+def test_stale_caches_are_refused(make_model):
+    model = convert(make_model(), "taylorshift")
+    ids = prompt(1, 6)
+    cache = KernelCache(model)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        detach_kernel(model, 2)
+        with pytest.raises(ValueError, match="no kernel is attached to it any more"):
+            model(ids[:, :1], cache=cache)
+    model = convert(make_model(), "taylorshift")
+    cache = KernelCache(model)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        padded = torch.ones(1, 8, dtype=torch.long)
+        padded[0, 0] = 0
+        with pytest.raises(ValueError, match="non-causal attention mask"):
+            model(ids[:, :2], attention_mask=padded, cache=cache)  # fails after layer 1's cache update
+        with pytest.raises(ValueError, match="the previous 2 tokens of this layer never reached its kernel"):
+            model(ids[:, :1], cache=cache)
+
+
+def test_kernel_without_state_cannot_continue(make_model):
+    class NoState(AttentionKernel):
+        def forward(self, q, k, v, *, mode="chunk", initial_state=None, output_final_state=False):
+            return torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype), None
+
+    model = make_model()
+    attach_kernel(model, 1, NoState(6, 2, 8))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prompt(1, 5), cache=cache)  # a prompt alone works
+        with pytest.raises(ValueError, match="returned no recurrent state for the first 5 tokens"):
+            model(prompt(1, 1), cache=cache)
+
+
+def test_padding_is_refused_in_generation(make_model):
+    model = convert(make_model(), "oal")
+    ids = prompt(2, 7)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with pytest.raises(ValueError, match="non-causal attention mask"), torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
