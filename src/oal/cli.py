@@ -27,8 +27,9 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug 
 def _register_commands() -> None:
     from .analysis.cli import register as analysis
     from .bench.cli import register as bench
+    from .conversion.cli import register as conversion
 
-    for register in (analysis, bench):
+    for register in (analysis, bench, conversion):
         register(app)
 
 
