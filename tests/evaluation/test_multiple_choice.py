@@ -55,6 +55,27 @@ def test_loglikelihoods_match_hand_computation(model, tokenizer, hand_loglikelih
         assert ll.logprob == pytest.approx(expected, rel=1e-5, abs=1e-5)
 
 
+class KeepSpy(torch.nn.Module):
+    """Passes through to a transformers model, recording how many positions' logits were asked for."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.kept: list[tuple[int, int]] = []
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool | None = None, logits_to_keep: int = 0):
+        self.kept.append((input_ids.shape[1], logits_to_keep))
+        return self.inner(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep)
+
+
+def test_only_scored_positions_get_logits(model, tokenizer, hand_loglikelihoods):
+    spy = KeepSpy(model)
+    got = loglikelihoods(spy, tokenizer, REQUESTS, batch_size=2, progress=False)
+    assert all(0 < keep < width for width, keep in spy.kept)
+    for (expected, _), ll in zip(hand_loglikelihoods, got, strict=True):
+        assert ll.logprob == pytest.approx(expected, rel=1e-5, abs=1e-5)
+
+
 class BigramLM(torch.nn.Module):
     """Toy causal LM: the logits at a position are a fixed row picked by the token there."""
 

@@ -142,7 +142,7 @@ def test_missing_file_names_the_path(tmp_path):
         load_wikitext(data_dir=tmp_path, source="local")
 
 
-def test_auto_falls_back_to_the_hub_and_reports_both(tmp_path, monkeypatch):
+def test_auto_falls_back_to_the_hub_and_reports_both(tmp_path, monkeypatch, caplog):
     def offline(*args):
         raise RuntimeError("could not load lighteval/piqa [validation] from the Hub: offline")
 
@@ -152,6 +152,7 @@ def test_auto_falls_back_to_the_hub_and_reports_both(tmp_path, monkeypatch):
     monkeypatch.setattr(tasks_module, "_load_hf", lambda *a: [{"goal": "g", "sol1": "a", "sol2": "b", "label": 1}] * 3)
     data = load_task("piqa", data_dir=tmp_path, limit=2)
     assert data.source == "hf:lighteval/piqa[validation]" and len(data.items) == 2 and data.n_original == 3
+    assert "holds 3 examples, not the 1838" in caplog.text
 
 
 def test_bad_task_and_source(data_dir):

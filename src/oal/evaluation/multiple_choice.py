@@ -18,6 +18,7 @@ SmolLM2's the space opens a new pre-token, so ``context_enc`` is a prefix of ``w
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -99,7 +100,8 @@ def loglikelihoods(
     The model reads ``(context + continuation)[:-1]``. Requests are sorted by length (longest first) and
     ``batch_size`` of them go through one forward, right-padded: under causal attention the padded tail cannot
     reach earlier positions, so no attention mask is passed (which also suits kernels that take none), and
-    position ids stay 0..T-1 as in an unpadded forward.
+    position ids stay 0..T-1 as in an unpadded forward. Models whose forward takes ``logits_to_keep``
+    (transformers' causal LMs) compute logits only from the batch's first scored position on.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
@@ -109,15 +111,19 @@ def loglikelihoods(
     order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
     results: list[LogLikelihood | None] = [None] * len(inputs)
     batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+    keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
     for batch in track(batches, description=description, disable=not progress, total=len(batches)):
         width = len(inputs[batch[0]])
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         for row, i in enumerate(batch):
             ids[row, : len(inputs[i])] = torch.tensor(inputs[i])
-        logits = model(input_ids=ids.to(device), use_cache=False).logits
+        first = min(len(inputs[i]) - len(encoded[i][1]) for i in batch)
+        kwargs = {"logits_to_keep": width - first} if keep_logits else {}
+        logits = model(input_ids=ids.to(device), use_cache=False, **kwargs).logits
+        offset = width - logits.shape[1]  # sequence position of logits[:, 0]
         for row, i in enumerate(batch):
             target = torch.tensor(encoded[i][1], device=logits.device)
-            stop = len(inputs[i])
+            stop = len(inputs[i]) - offset
             logp = logits[row, stop - len(target) : stop].float().log_softmax(-1)
             results[i] = LogLikelihood(
                 logprob=logp.gather(-1, target[:, None]).double().sum().item(),

@@ -18,6 +18,7 @@ artifacts). Scores from it are reported with that source named and are not exact
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Literal
 
 from .utils import check_limit, resolve_data_dir
+
+logger = logging.getLogger(__name__)
 
 Source = Literal["auto", "local", "hf"]
 SOURCES = ("auto", "local", "hf")
@@ -50,26 +53,19 @@ class MultipleChoiceItem:
 @dataclass(frozen=True)
 class TaskSpec:
     """A zero-shot task: ``norm`` is F.3's length normalisation (``"tokens"``: candidate token count,
-    ``"chars"``: option-text character count), ``size`` the full evaluation split's example count."""
+    ``"chars"``: option-text character count), ``size`` the F.3 split's example count, ``local_files`` the
+    files under the data folder."""
 
     name: str
-    title: str
     norm: Literal["tokens", "chars"]
     size: int
     local_files: tuple[str, ...]
-    hf: str
 
 
 TASKS: dict[str, TaskSpec] = {
-    "piqa": TaskSpec(
-        "piqa", "PIQA validation", "tokens", 1838, ("piqa/valid.jsonl", "piqa/valid-labels.lst"), "lighteval/piqa"
-    ),
-    "hellaswag": TaskSpec(
-        "hellaswag", "HellaSwag validation", "tokens", 10042, ("hellaswag/hellaswag_val_full.txt",), "Rowan/hellaswag"
-    ),
-    "arc_easy": TaskSpec(
-        "arc_easy", "ARC-Easy test", "chars", 2376, ("arc-easy/ARC-Easy-Test.jsonl",), "allenai/ai2_arc (ARC-Easy)"
-    ),
+    "piqa": TaskSpec("piqa", "tokens", 1838, ("piqa/valid.jsonl", "piqa/valid-labels.lst")),
+    "hellaswag": TaskSpec("hellaswag", "tokens", 10042, ("hellaswag/hellaswag_val_full.txt",)),
+    "arc_easy": TaskSpec("arc_easy", "chars", 2376, ("arc-easy/ARC-Easy-Test.jsonl",)),
 }
 
 WIKITEXT_LOCAL = "wikitext-2-raw/wiki.{split}.raw"
@@ -279,6 +275,8 @@ def load_task(
             except RuntimeError as e:
                 local = f"local file not found: {missing[0]}" if missing else "no data folder given ($OAL_DATA_DIR)"
                 raise FileNotFoundError(f"{name}: {local}, and the Hub fallback failed: {e}") from e
+    if len(items) != TASKS[name].size:
+        logger.warning("%s: %s holds %d examples, not the %d of F.3's split", name, where, len(items), TASKS[name].size)
     return TaskData(name, items[:limit] if limit is not None else items, where, len(items))
 
 
