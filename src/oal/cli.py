@@ -28,8 +28,9 @@ def _register_commands() -> None:
     from .analysis.cli import register as analysis
     from .bench.cli import register as bench
     from .conversion.cli import register as conversion
+    from .evaluation.cli import register as evaluation
 
-    for register in (analysis, bench, conversion):
+    for register in (analysis, bench, conversion, evaluation):
         register(app)
 
 

@@ -6,29 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from oal.evaluation import block_nll, perplexity, text_to_blocks
-
-
-def test_text_to_blocks_joins_tokenises_and_drops_tail(tokenizer):
-    entries = ["", " = Robert Boulter = \n", "", " Robert Boulter is an English film actor . \n"]
-    ids = tokenizer("\n\n".join(entries), add_special_tokens=False)["input_ids"]
-    blocks = text_to_blocks(tokenizer, entries, 5)
-    assert blocks.dtype == torch.long and blocks.shape == (len(ids) // 5, 5)
-    assert blocks.flatten().tolist() == ids[: len(ids) // 5 * 5]
-    assert torch.equal(text_to_blocks(tokenizer, "\n\n".join(entries), 5), blocks)
-    assert torch.equal(text_to_blocks(tokenizer, entries, 5, max_blocks=2), blocks[:2])
-    assert text_to_blocks(tokenizer, entries, 5, max_blocks=10_000).shape == blocks.shape
-
-
-def test_text_to_blocks_bad_input(tokenizer):
-    with pytest.raises(ValueError, match="block_len"):
-        text_to_blocks(tokenizer, "some text", 1)
-    with pytest.raises(ValueError, match="max_blocks"):
-        text_to_blocks(tokenizer, "some text", 2, max_blocks=0)
-    with pytest.raises(ValueError, match="do not fill one block"):
-        text_to_blocks(tokenizer, "ab", 100)
-    with pytest.raises(ValueError, match="non-strings"):
-        text_to_blocks(tokenizer, ["a", 3], 2)
+from oal.evaluation import block_nll, perplexity
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 1000])

@@ -7,8 +7,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from oal.evaluation import accuracy_metrics, evaluate, load_task, perplexity, score_items, text_to_blocks
-from oal.evaluation import loading as loading_module
+from oal.data import blocks as wikitext_blocks
+from oal.evaluation import accuracy_metrics, evaluate, load_task, perplexity, score_items
 from oal.evaluation.cli import register
 from oal.evaluation.utils import mean_stderr, write_json_atomic
 
@@ -93,9 +93,7 @@ def test_evaluate_output_shape_and_values(model, tokenizer, tiny_data):
         for key, value in expected.items():
             assert res[f"{key},none"] == pytest.approx(value)
         assert res["acc_norm,none"] == res[f"acc_norm_{norm},none"]
-    texts = (tiny_data / "wikitext-2-raw/wiki.test.raw").read_text().splitlines(keepends=True)
-    rows = [t if t.strip() else "" for t in texts]
-    blocks = text_to_blocks(tokenizer, rows, 16)
+    blocks = wikitext_blocks(tokenizer, "test", 16, data_dir=tiny_data, cache=False).ids
     ppl = perplexity(model, blocks[:2], progress=False)
     wt = out["results"]["wikitext"]
     assert wt["perplexity,none"] == pytest.approx(ppl["ppl"]) and wt["n_tokens"] == 2 * 15
@@ -136,7 +134,6 @@ def _cli() -> typer.Typer:
 
 
 def test_cli_eval_writes_results(model, tokenizer, tiny_data, tmp_path, monkeypatch):
-    monkeypatch.setattr(loading_module, "_oal_models", lambda: None)  # the transformers path, whatever is installed
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)

@@ -10,7 +10,6 @@ from oal.evaluation import (
     MultipleChoiceItem,
     hellaswag_preprocess,
     load_task,
-    load_wikitext,
     parse_arc,
     parse_hellaswag_text,
     parse_piqa,
@@ -67,16 +66,6 @@ def test_limit_keeps_the_first_items(data_dir):
 def test_bad_limit(data_dir, limit):
     with pytest.raises(ValueError, match="limit"):
         load_task("piqa", data_dir=data_dir, limit=limit)
-
-
-def test_wikitext_rows_follow_the_hub_layout(data_dir):
-    rows, source = load_wikitext(data_dir=data_dir)
-    assert len(rows) == 4358 and source.startswith("local:")
-    assert rows[:3] == ["", " = Robert Boulter = \n", ""]
-    assert all(r == "" or r.endswith("\n") for r in rows)
-    assert len(load_wikitext(data_dir=data_dir, split="valid")[0]) == 3760
-    with pytest.raises(ValueError, match="split"):
-        load_wikitext(data_dir=data_dir, split="train")
 
 
 # ---- synthetic files and bad input -----------------------------------------------------------------------------
@@ -138,8 +127,6 @@ def test_missing_file_names_the_path(tmp_path):
         load_task("piqa", data_dir=tmp_path, source="local")
     with pytest.raises(FileNotFoundError, match="no such data folder"):
         load_task("piqa", data_dir=tmp_path / "nope")
-    with pytest.raises(FileNotFoundError, match="wiki.test.raw"):
-        load_wikitext(data_dir=tmp_path, source="local")
 
 
 def test_auto_falls_back_to_the_hub_and_reports_both(tmp_path, monkeypatch, caplog):

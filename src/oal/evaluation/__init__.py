@@ -13,7 +13,7 @@ from .multiple_choice import (
     loglikelihoods,
     score_items,
 )
-from .perplexity import block_nll, perplexity, text_to_blocks
+from .perplexity import block_nll, perplexity
 from .runner import ALL_TASKS, PAPER_BLOCK_LEN, evaluate
 from .tasks import (
     TASKS,
@@ -22,7 +22,6 @@ from .tasks import (
     TaskSpec,
     hellaswag_preprocess,
     load_task,
-    load_wikitext,
     parse_arc,
     parse_hellaswag_text,
     parse_piqa,
@@ -45,7 +44,6 @@ __all__ = [
     "hellaswag_preprocess",
     "load_model_and_tokenizer",
     "load_task",
-    "load_wikitext",
     "loglikelihoods",
     "mean_stderr",
     "parse_arc",
@@ -53,6 +51,5 @@ __all__ = [
     "parse_piqa",
     "perplexity",
     "score_items",
-    "text_to_blocks",
     "write_json_atomic",
 ]

@@ -8,15 +8,12 @@ as an independent sequence with ``block_len - 1`` next-token targets. PPL = exp(
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 from rich.progress import track
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
 from .utils import model_device
-
-TEXT_SEPARATOR = "\n\n"
 
 
 def check_block_args(block_len: int, max_blocks: int | None = None) -> None:
@@ -24,28 +21,6 @@ def check_block_args(block_len: int, max_blocks: int | None = None) -> None:
         raise ValueError(f"block_len: expected an int >= 2 (one context and one target token), got {block_len!r}")
     if max_blocks is not None and (isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1):
         raise ValueError(f"max_blocks: expected None or an int >= 1, got {max_blocks!r}")
-
-
-def text_to_blocks(
-    tokenizer: PreTrainedTokenizerBase, text: str | Sequence[str], block_len: int, *, max_blocks: int | None = None
-) -> torch.Tensor:
-    """Token blocks ``(n, block_len)`` (int64) of ``text`` per F.3.
-
-    ``text`` is one string or a sequence of entries, joined with two newlines. It is tokenised once, with no
-    special tokens; the tail that does not fill a whole block is dropped. ``max_blocks`` keeps the first blocks.
-    """
-    check_block_args(block_len, max_blocks)
-    if not isinstance(text, str):
-        if not all(isinstance(t, str) for t in text):
-            raise ValueError("text: expected a string or a sequence of strings, got a sequence with non-strings")
-        text = TEXT_SEPARATOR.join(text)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    n = len(ids) // block_len
-    if n == 0:
-        raise ValueError(f"text: {len(ids)} tokens do not fill one block of block_len={block_len}")
-    if max_blocks is not None:
-        n = min(n, max_blocks)
-    return torch.tensor(ids[: n * block_len], dtype=torch.long).view(n, block_len)
 
 
 def block_nll(logits: torch.Tensor, ids: torch.Tensor, *, chunk_size: int = 1024) -> torch.Tensor:

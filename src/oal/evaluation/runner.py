@@ -18,9 +18,10 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..data import blocks as wikitext_blocks
 from .multiple_choice import accuracy_metrics, score_items
-from .perplexity import check_block_args, perplexity, text_to_blocks
-from .tasks import TASKS, Source, load_task, load_wikitext
+from .perplexity import check_block_args, perplexity
+from .tasks import TASKS, Source, load_task
 from .utils import check_limit, model_device
 
 logger = logging.getLogger(__name__)
@@ -82,10 +83,10 @@ def evaluate(
     for task in tasks:
         start = time.perf_counter()
         if task == "wikitext":
-            texts, sources[task] = load_wikitext(data_dir=data_dir, source=source)
-            blocks = text_to_blocks(tokenizer, texts, block_len)
-            n_all = blocks.shape[0]
-            blocks = blocks[:max_blocks]
+            stream = wikitext_blocks(tokenizer, "test", block_len, data_dir=data_dir, source=source)
+            sources[task] = stream.source
+            n_all = stream.ids.shape[0]
+            blocks = stream.ids[:max_blocks]
             ppl = perplexity(model, blocks, batch_size=ppl_batch_size, device=device, progress=progress)
             results[task] = {
                 "alias": task,

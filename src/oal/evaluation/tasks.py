@@ -68,9 +68,6 @@ TASKS: dict[str, TaskSpec] = {
     "arc_easy": TaskSpec("arc_easy", "chars", 2376, ("arc-easy/ARC-Easy-Test.jsonl",)),
 }
 
-WIKITEXT_LOCAL = "wikitext-2-raw/wiki.{split}.raw"
-WIKITEXT_HF = ("Salesforce/wikitext", "wikitext-103-raw-v1")
-
 
 @dataclass(frozen=True)
 class TaskData:
@@ -278,35 +275,3 @@ def load_task(
     if len(items) != TASKS[name].size:
         logger.warning("%s: %s holds %d examples, not the %d of F.3's split", name, where, len(items), TASKS[name].size)
     return TaskData(name, items[:limit] if limit is not None else items, where, len(items))
-
-
-def load_wikitext(
-    *, data_dir: str | os.PathLike | None = None, split: str = "test", source: Source = "auto"
-) -> tuple[list[str], str]:
-    """WikiText raw entries of ``split`` in source order, and where they came from.
-
-    Local: ``wikitext-2-raw/wiki.{split}.raw`` split into lines the way the Hub dataset builds its rows (each line
-    keeps its newline; blank lines become ``""``), so joining them per F.3 gives the Hub text. The paper uses
-    WikiText-103 raw test; its test split is (reportedly, not byte-verified) identical to WikiText-2's.
-    Hub: ``Salesforce/wikitext`` ``wikitext-103-raw-v1``.
-    """
-    if split not in ("test", "valid"):
-        raise ValueError(f"split: expected 'test' or 'valid', got {split!r}")
-    _check_source(source)
-    folder = resolve_data_dir(data_dir)
-    path = folder / WIKITEXT_LOCAL.format(split=split) if folder is not None else None
-    if source == "local" or (source == "auto" and path is not None and path.is_file()):
-        if path is None:
-            raise FileNotFoundError("wikitext: source='local' needs data_dir or $OAL_DATA_DIR")
-        _require_file(path, "wikitext")
-        with path.open(encoding="utf-8") as f:
-            return [line if line.strip() else "" for line in f], f"local:{path}"
-    hf_split = "validation" if split == "valid" else split
-    try:
-        rows = _load_hf(*WIKITEXT_HF, hf_split)
-    except RuntimeError as e:
-        if source == "hf":
-            raise
-        local = f"local file not found: {path}" if path is not None else "no data folder given ($OAL_DATA_DIR)"
-        raise FileNotFoundError(f"wikitext: {local}, and the Hub fallback failed: {e}") from e
-    return list(rows["text"]), f"hf:{WIKITEXT_HF[0]}/{WIKITEXT_HF[1]}[{hf_split}]"
