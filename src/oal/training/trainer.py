@@ -3,7 +3,7 @@
 :func:`finetune` takes a ready (converted) causal LM and writes into its run directory
 
 * ``config.json``: the protocol, the data and the model identity, written when the run starts;
-* ``train_log.jsonl``: one line per update (step, loss, lr, grad_norm, block, time);
+* ``train_log.jsonl``: one line per update (step, loss, lr, grad_norm, blocks, time of the update);
 * ``val.jsonl``: one line per validation point (step, nll, ppl, tokens, time);
 * ``checkpoints/step-XXXXXX/``: the latest resumable state (:mod:`oal.training.checkpoint`);
 * ``best/``: the best checkpoint by validation NLL (:mod:`oal.training.export`);
@@ -165,6 +165,8 @@ def finetune(
             f"accelerator: mixed precision {acc.mixed_precision!r} differs from config.mixed_precision "
             f"{config.mixed_precision!r}"
         )
+    if config.mixed_precision == "bf16" and acc.device.type == "cpu":
+        logger.warning("bf16 autocast on a CPU: without native bf16 matmuls it is several times slower than fp32")
     out = Path(out_dir)
     rank, world = acc.process_index, acc.num_processes
 
@@ -241,6 +243,7 @@ def finetune(
             "lr": lr,
             "grad_norm": float(grad_norm),
             "blocks": order[step].tolist(),
+            "time": time.perf_counter() - t0,  # the update alone; validation is timed in val.jsonl
         }
         if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
             raise FloatingPointError(f"update {step + 1}: non-finite loss or gradient norm ({record})")
@@ -259,7 +262,6 @@ def finetune(
             if acc.is_main_process:
                 with open(out / "val.jsonl", "a", encoding="utf-8") as f:
                     f.write(json.dumps(val) + "\n")
-        record["time"] = time.perf_counter() - t0
         state["train_log"].append(record)
         state["step"] = step + 1
         if acc.is_main_process:
