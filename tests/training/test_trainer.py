@@ -191,3 +191,43 @@ def test_sigkill_at_a_random_point(tmp_path, converted, data, config):
     finetune(converted(), cfg, run, data=data())
     finetune(converted(), cfg, tmp_path / "ref", data=data())
     assert_same_run(tmp_path / "ref", run), f"killed {delay:.2f} s after update 1, at update {killed_after}"
+
+
+DP_SCRIPT = """
+import sys, torch
+torch.set_num_threads(1)
+sys.path.insert(0, {here!r})
+from conftest import tiny_converted, tiny_data, tiny_config
+from oal.training import finetune
+
+def on_step(record):
+    if len(sys.argv) > 2 and record["step"] == int(sys.argv[2]):
+        raise SystemExit(3)
+
+finetune(tiny_converted(), tiny_config(updates=6, checkpoint_every=1), sys.argv[1], data=tiny_data(blocks=14),
+         on_step=on_step)
+"""
+
+
+@pytest.mark.slow
+def test_two_process_data_parallel_resume(tmp_path):
+    """torchrun with 2 CPU processes (what `accelerate launch` runs): distinct blocks per process, global batch 2,
+    and an interrupted run resumes to the uninterrupted result."""
+    script = tmp_path / "dp.py"
+    script.write_text(DP_SCRIPT.format(here=str(HERE)))
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE)])}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+
+    def launch(*args):
+        return subprocess.run([*torchrun, str(script), *args], env=env, capture_output=True, text=True, timeout=600)
+
+    ref = launch(str(tmp_path / "ref"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert launch(str(tmp_path / "run"), "4").returncode != 0
+    resumed = launch(str(tmp_path / "run"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(tmp_path / "ref", tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["data"]["global_batch"] == 2 and summary["resumed_at"] == [4]
+    blocks = [r["blocks"] for r in jsonl(tmp_path / "ref" / "train_log.jsonl")]
+    assert all(len(set(b)) == 2 for b in blocks) and len({x for b in blocks for x in b}) == 12

@@ -206,7 +206,9 @@ def finetune(
         loaded = load_training_state(ckpt)
         diff = _differences(loaded.state.get("identity"), identity)
         if diff:
-            raise CheckpointError(f"{ckpt}: belongs to a different run ({'; '.join(diff)}); use another --out")
+            raise CheckpointError(
+                f"{ckpt}: belongs to a different run ({'; '.join(diff)}); use another output directory"
+            )
         load_trainable_state(peft_model, loaded.trainable)
         optimizer.load_state_dict(loaded.optimizer)
         scheduler.load_state_dict(loaded.state["scheduler"])
