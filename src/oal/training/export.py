@@ -1,0 +1,102 @@
+"""The fine-tuned result as a self-describing directory (``<run>/best/``), and loading it back into a model.
+
+``best/`` holds
+
+* ``adapter/``: the PEFT LoRA adapter (``save_pretrained`` format);
+* ``kernels.safetensors``: the state dict of every attached kernel (trained parameters and fixed buffers such as
+  OAL's groups), keys ``layers.{i}.{name}``;
+* ``kernels.json``: ``{"layers": {i: kernel_config}}`` (:func:`oal.kernels.registry.kernel_config`), enough to
+  rebuild the kernels on the plain backbone;
+* ``info.json``: update, validation NLL/PPL, protocol and data of the run;
+* ``manifest.json``: sha256 of every file, verified by :func:`load_finetuned`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..io import read_json
+from ..kernels.base import AttentionKernel
+from ..kernels.registry import kernel_config, kernel_from_config
+from ..models import attach_kernel, attached_kernels
+from .checkpoint import MANIFEST, verify_checked_dir, write_checked_dir
+
+BEST_KIND = "finetuned"
+
+
+def _canonical(config: dict[str, Any]) -> Any:
+    return json.loads(json.dumps(config))
+
+
+def kernel_configs(kernels: dict[int, AttentionKernel]) -> dict[str, Any]:
+    """``{str(layer): kernel_config}``, JSON-canonical."""
+    return {str(layer): _canonical(kernel_config(k)) for layer, k in sorted(kernels.items())}
+
+
+def export_finetuned(
+    model: PeftModel, kernels: dict[int, AttentionKernel], target: str | os.PathLike, info: dict[str, Any]
+) -> Path:
+    """Write the model's current adapter and kernels to ``target`` (atomically, with a manifest)."""
+    if not isinstance(model, PeftModel):
+        raise ValueError(f"model: expected a PeftModel, got {type(model).__name__}")
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp / "adapter")
+        tensors = {
+            f"layers.{layer}.{name}": t.detach().to("cpu", copy=True).contiguous()
+            for layer, kernel in sorted(kernels.items())
+            for name, t in kernel.state_dict().items()
+        }
+        if tensors:
+            save_file(tensors, tmp / "kernels.safetensors")
+        (tmp / "kernels.json").write_text(json.dumps({"layers": kernel_configs(kernels)}) + "\n", encoding="utf-8")
+        (tmp / "info.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+
+    return write_checked_dir(target, write, kind=BEST_KIND)
+
+
+def resolve_finetuned_dir(path: str | os.PathLike) -> Path:
+    """A run directory means its ``best/``; otherwise ``path`` itself."""
+    path = Path(path)
+    return path / "best" if (path / "best" / MANIFEST).is_file() else path
+
+
+def load_finetuned(model: nn.Module, path: str | os.PathLike, *, merge: bool = False) -> nn.Module:
+    """Load a fine-tuned result (a run directory or its ``best/``) into ``model`` and return the adapted model.
+
+    ``model`` is the plain backbone, or the same backbone already converted (its attached kernels must then have
+    the saved configurations). Missing kernels are rebuilt from ``kernels.json`` and attached; all kernel states
+    are loaded; the LoRA adapter is applied. ``merge=True`` folds the adapters into the projections and returns
+    the transformers model (kernels stay attached); otherwise a ``PeftModel`` is returned. The checkpoint's
+    manifest is verified first (:class:`~oal.training.checkpoint.CheckpointError` if anything is off).
+    """
+    if isinstance(model, PeftModel):
+        raise ValueError("model: expected the backbone without LoRA, got a PeftModel")
+    path = resolve_finetuned_dir(path)
+    verify_checked_dir(path, kind=BEST_KIND)
+    saved = read_json(path / "kernels.json", what="kernel configs")["layers"]
+    attached = attached_kernels(model)
+    unexpected = sorted(set(attached) - {int(layer) for layer in saved})
+    if unexpected:
+        raise ValueError(f"model: kernels are attached to layers {unexpected}, which {path} does not convert")
+    for key, config in saved.items():
+        layer = int(key)
+        if layer in attached:
+            if _canonical(kernel_config(attached[layer])) != config:
+                raise ValueError(f"model: the kernel attached to layer {layer} differs from the one in {path}")
+        else:
+            attach_kernel(model, layer, kernel_from_config(config))
+    if saved:
+        tensors = load_file(path / "kernels.safetensors")
+        for layer, kernel in attached_kernels(model).items():
+            prefix = f"layers.{layer}."
+            kernel.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
+    peft_model = PeftModel.from_pretrained(model, path / "adapter")
+    return peft_model.merge_and_unload() if merge else peft_model

@@ -1,0 +1,96 @@
+"""LoRA on a converted model (App. F.2): adapters on q/k/v/o of every layer, softmax layers included, and the
+parameters of attached kernels (OAL's ``L``, DiJiang's ``θ``, …) trained jointly; everything else frozen.
+
+PEFT freezes every non-adapter parameter when it wraps a model; :func:`apply_lora` switches the kernel parameters
+back on. Kernel buffers (OAL groups, fixed random projections) are not parameters and stay fixed. The wrapped
+projections are called by the attention modules as before, so layers with a kernel still run the ``"oal"``
+attention path. Note that ``oal.models`` helpers that look for ``nn.Linear`` projections (``attach_kernel``,
+``capture_qkv``) do not accept the wrapped model: attach kernels before, or merge the adapters first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+from ..models import attached_kernels, get_attention_modules
+from ..models.hooks import KERNEL_ATTR
+from .config import FinetuneConfig
+
+
+def lora_config(config: FinetuneConfig) -> LoraConfig:
+    return LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=list(config.lora_targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model: nn.Module, config: FinetuneConfig) -> PeftModel:
+    """Wrap a (converted) causal LM with LoRA adapters in place and return the ``PeftModel``.
+
+    The adapters' ``A`` matrices are initialised from torch's global RNG (seed it first for a reproducible run),
+    ``B`` is zero, so the wrapped model computes exactly what ``model`` computed. Raises ValueError if the model
+    is already a PeftModel or if some layer lacks one of ``config.lora_targets`` (checked before wrapping).
+    """
+    if isinstance(model, PeftModel):
+        raise ValueError("model: expected a plain transformers model, got a PeftModel (LoRA already applied)")
+    kernels = attached_kernels(model)
+    blocks = list(getattr(model, "model", model).layers)
+    if len(blocks) != len(get_attention_modules(model)):
+        raise ValueError("model: expected model.model.layers to hold the decoder blocks")
+    targets = {}  # (layer, target) -> the module that must end up wrapped
+    for layer, block in enumerate(blocks):
+        for target in config.lora_targets:
+            found = [m for name, m in block.named_modules() if name.rsplit(".", 1)[-1] == target]
+            if len(found) != 1:
+                raise ValueError(
+                    f"lora_targets: expected one module named {target!r} in layer {layer}, found {len(found)}"
+                )
+            targets[layer, target] = found[0]
+    peft_model = get_peft_model(model, lora_config(config))
+    for (layer, target), module in targets.items():
+        if not any(isinstance(m, LoraLayer) and m.get_base_layer() is module for m in blocks[layer].modules()):
+            raise ValueError(f"lora_targets: {target!r} of layer {layer} was not wrapped by PEFT")
+    for kernel in kernels.values():
+        for p in kernel.parameters():
+            p.requires_grad_(config.train_kernels)
+    return peft_model
+
+
+def is_kernel_parameter(name: str) -> bool:
+    """Whether a parameter name belongs to an attached kernel (``….self_attn.oal_kernel.…``)."""
+    return f".{KERNEL_ATTR}." in f".{name}"
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Name → parameter for every parameter with ``requires_grad``, in registration order."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of the trainable parameters (LoRA and kernel), keyed by parameter name."""
+    return {name: p.detach().to("cpu", copy=True) for name, p in trainable_parameters(model).items()}
+
+
+def load_trainable_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``state`` into the trainable parameters; the names must be exactly the trainable set."""
+    params = trainable_parameters(model)
+    missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    if missing or unexpected:
+        raise ValueError(
+            f"state: expected the {len(params)} trainable parameters of the model; missing {missing[:4]}, "
+            f"unexpected {unexpected[:4]}"
+        )
+    with torch.no_grad():
+        for name, p in params.items():
+            if tuple(state[name].shape) != tuple(p.shape):
+                raise ValueError(f"state: {name} has shape {tuple(state[name].shape)}, expected {tuple(p.shape)}")
+            p.copy_(state[name])
