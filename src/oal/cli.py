@@ -12,6 +12,8 @@ app = typer.Typer(
     help="Outlier-Aware Attention Linearization: analyse, group, calibrate, convert and benchmark.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
+    # plain click error output: one "Error: ..." line per bad input, not a wrapped rich panel
+    rich_markup_mode=None,
 )
 
 
@@ -29,8 +31,9 @@ def _register_commands() -> None:
     from .bench.cli import register as bench
     from .conversion.cli import register as conversion
     from .evaluation.cli import register as evaluation
+    from .training.cli import register as training
 
-    for register in (analysis, bench, conversion, evaluation):
+    for register in (analysis, bench, conversion, evaluation, training):
         register(app)
 
 

@@ -7,17 +7,10 @@ import json
 import typer
 from typer.testing import CliRunner
 
-from oal.bench.cli import register
+from oal.cli import app
 
 
 def make_app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def main() -> None:
-        pass
-
-    register(app)
     return app
 
 

@@ -7,8 +7,7 @@ import typer
 from transformers import GPT2Config, GPT2LMHeadModel
 from typer.testing import CliRunner
 
-from oal.bench.cli import register as register_bench
-from oal.conversion.cli import register
+from oal.cli import app
 from oal.grouping import group_heads
 from oal.models import attached_kernels, load_model
 
@@ -16,14 +15,6 @@ RUNNER = CliRunner(env={"COLUMNS": "250", "NO_COLOR": "1"})
 
 
 def make_app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def main() -> None:
-        pass
-
-    register_bench(app)
-    register(app)
     return app
 
 

@@ -7,9 +7,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from oal.cli import app
 from oal.data import blocks as wikitext_blocks
 from oal.evaluation import accuracy_metrics, evaluate, load_task, perplexity, score_items
-from oal.evaluation.cli import register
 from oal.evaluation.utils import mean_stderr, write_json_atomic
 
 
@@ -123,13 +123,6 @@ def test_write_json_atomic(tmp_path):
 
 
 def _cli() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def main() -> None:
-        pass
-
-    register(app)
     return app
 
 

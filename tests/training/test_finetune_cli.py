@@ -10,17 +10,10 @@ import typer
 from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
-from oal.training.cli import parse_layers, register
+from oal.cli import app
 
 
 def make_app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def main() -> None:
-        pass
-
-    register(app)
     return app
 
 
@@ -41,14 +34,6 @@ def model_dir(tmp_path, byte_tokenizer, monkeypatch):
     LlamaForCausalLM(config).save_pretrained(path)
     byte_tokenizer.save_pretrained(path)
     return path
-
-
-def test_parse_layers():
-    assert parse_layers("3-5,9") == [3, 4, 5, 9]
-    assert parse_layers("7") == [7]
-    for bad in ("5-3", "a", "-1", "3-"):
-        with pytest.raises(ValueError, match="layers"):
-            parse_layers(bad)
 
 
 def test_finetune_command_runs_and_resumes(tmp_path, model_dir, data_dir):
@@ -74,9 +59,9 @@ def test_finetune_command_runs_and_resumes(tmp_path, model_dir, data_dir):
     "extra,message",
     [
         (["--layers", "1"], "need --kernel"),
-        (["--kernel", "oal", "--layers", "1"], "needs exactly one of"),
-        (["--kernel", "global", "--layers", "1", "--random-groups", "2"], "only apply to the"),
-        (["--kernel", "global"], "needs --layers"),
+        (["--kernel", "oal", "--layers", "1"], "needs dimension groups"),
+        (["--kernel", "global", "--layers", "1", "--random-groups", "2"], "only for --kernel oal"),
+        (["--kernel", "global", "--layers", "99"], "layers"),
         (["--preset", "huge"], "preset"),
     ],
 )

