@@ -148,7 +148,7 @@ def run_calibrate(
                 init_sink_window_from(k, load_calibrated(init_from, i))
                 tr = qkv.layer(i, train_blocks)
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
-                pos = torch.randperm(seq_len, generator=gen)[: min(512, seq_len)].sort().values
+                pos = torch.randperm(seq_len, generator=gen)[: min(64, seq_len)].sort().values  # bounded memory
                 k.match_beta_(tr.q, tr.k, pos)
             kernels[i] = k
         return kernels[i]
@@ -406,6 +406,10 @@ def run_fidelity(
     }
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "fidelity.json", result)
+    from .plots import plot_fidelity
+
+    result["figures"] = {"relmse": str(plot_fidelity(result, out / "fidelity.png"))}
+    write_json(out / "fidelity.json", result)
     write_text(out / "fidelity.md", _fidelity_markdown(result, markdown_table))
     t = Table(title=f"Frozen-attention fidelity, layers {layers}, {len(blocks)} blocks of {seq_len}")
     for col in ("method", "MSE before", "RelMSE before", "MSE after", "RelMSE after"):
@@ -615,6 +619,10 @@ def run_intervene(
         "provenance": provenance(model=model_name, data=desc, seed=seed),
     }
     out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "intervene.json", result)
+    from .plots import plot_intervention
+
+    result["figures"] = {"retained_error": str(plot_intervention(result, out / "intervene.png"))}
     write_json(out / "intervene.json", result)
     write_text(out / "intervene.md", _intervene_markdown(result))
     console.print(f"wrote {out / 'intervene.json'}, {out / 'intervene.md'}")
