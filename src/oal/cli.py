@@ -31,9 +31,10 @@ def _register_commands() -> None:
     from .bench.cli import register as bench
     from .conversion.cli import register as conversion
     from .evaluation.cli import register as evaluation
+    from .fidelity.cli import register as fidelity
     from .training.cli import register as training
 
-    for register in (analysis, bench, conversion, evaluation, training):
+    for register in (analysis, bench, conversion, evaluation, fidelity, training):
         register(app)
 
 
