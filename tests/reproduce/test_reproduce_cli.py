@@ -7,6 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from oal.cli import app
+from oal.reproduce import PRESETS
 
 
 def _invoke(setup, out, *extra):
@@ -56,3 +57,23 @@ def test_cli_bad_input(tiny_setup, tmp_path, extra, message):
     assert len(errors) == 1 and message in result.output, result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "out" / "run.json").exists()
+
+
+def test_cli_defaults(monkeypatch):
+    """``oal reproduce`` without options: the cpu preset on the embedded SmolLM2 into runs/reproduce."""
+    import oal.reproduce.pipeline as pipeline
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, preset, **kw):
+            seen.update(preset=preset, **kw)
+
+        def prepare(self):
+            raise pipeline.ReproduceConflict("stop here")
+
+    monkeypatch.setattr(pipeline, "Reproduction", Recorder)
+    result = CliRunner().invoke(app, ["reproduce"])
+    assert result.exit_code == 1 and "stop here" in result.output, result.output
+    assert seen["preset"] == PRESETS["cpu"] and seen["model"] == "smollm2-135m"
+    assert str(seen["out"]) == "runs/reproduce" and str(seen["cache"]) == "runs/qkv" and seen["data_dir"] is None

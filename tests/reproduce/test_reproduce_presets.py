@@ -30,7 +30,7 @@ def test_cpu_and_demo_presets():
     assert cpu.finetune_block_len == FINETUNE_PRESETS["cpu"]["block_len"]
     assert cpu.eval_block_len == 1024 and cpu.eval_limit == 200
     assert demo.layers is None  # the conversion range stays the model's default
-    assert demo.calib_seq_len == 512 and demo.finetune_updates == 4 and demo.eval_limit == 20
+    assert demo.calib_seq_len == 512 and demo.finetune_updates == 4 and demo.eval_limit == 10
     for p in PRESETS.values():
         assert set(p.methods) == set(PAPER_METHODS)
 

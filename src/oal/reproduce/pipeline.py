@@ -181,6 +181,7 @@ class Reproduction:
         if self._prepared:
             return
         from ..conversion import default_layers, parse_layers
+        from ..fidelity.capture import format_indices
         from ..models import attention_spec, load_model
 
         p = self.preset
@@ -193,8 +194,8 @@ class Reproduction:
         outside = [i for i in p.fidelity_layers if i not in self.layers]
         if outside:
             raise ValueError(
-                f"fidelity_layers: expected converted layers (calibrated: {self.layers[0]}-{self.layers[-1]} ...), "
-                f"got {outside} outside them"
+                f"fidelity_layers: expected converted (hence calibrated) layers, {format_indices(self.layers)}; got "
+                f"{outside} outside them"
             )
         if not (p.analyze_layer < spec.num_layers and p.analyze_head < spec.num_heads):
             raise ValueError(
