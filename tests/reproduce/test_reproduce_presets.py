@@ -7,7 +7,6 @@ import pytest
 from oal.calibration.config import CalibrationConfig
 from oal.reproduce import PAPER_METHODS, PRESETS, ReproducePreset, preset
 from oal.reproduce.cli import parse_field, parse_methods
-from oal.training.config import PRESETS as FINETUNE_PRESETS
 
 
 def test_paper_preset_is_the_paper():
@@ -25,10 +24,9 @@ def test_paper_preset_is_the_paper():
 
 def test_cpu_and_demo_presets():
     cpu, demo = PRESETS["cpu"], PRESETS["demo"]
-    assert cpu.calib_seq_len == 4096 and cpu.calib_max_updates < 1000
-    assert cpu.finetune_updates == FINETUNE_PRESETS["cpu"]["updates"]
-    assert cpu.finetune_block_len == FINETUNE_PRESETS["cpu"]["block_len"]
-    assert cpu.eval_block_len == 1024 and cpu.eval_limit == 200
+    assert cpu.calib_max_updates < 1000 and cpu.fidelity_seq_len == cpu.calib_seq_len
+    assert cpu.finetune_updates * cpu.finetune_block_len < 512 * 4096
+    assert cpu.eval_block_len == 1024 and cpu.eval_limit == 100
     assert demo.layers is None  # the conversion range stays the model's default
     assert demo.calib_seq_len == 512 and demo.finetune_updates == 4 and demo.eval_limit == 10
     for p in PRESETS.values():
@@ -38,7 +36,7 @@ def test_cpu_and_demo_presets():
 def test_overrides_and_round_trip():
     p = preset("cpu", calib_seq_len=2048, fidelity_blocks=[0, 1], eval_limit=None, methods=["oal", "softmax"])
     assert p.calib_seq_len == 2048 and p.fidelity_blocks == (0, 1) and p.methods == ("oal", "softmax")
-    assert p.name == "cpu" and PRESETS["cpu"].calib_seq_len == 4096  # presets are not modified
+    assert p.name == "cpu" and PRESETS["cpu"].calib_seq_len == 1024  # presets are not modified
     assert ReproducePreset(**{k: tuple(v) if isinstance(v, list) else v for k, v in p.to_dict().items()}) == p
     assert preset("demo", name="micro").name == "micro"
 

@@ -214,20 +214,26 @@ FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Re
 
 PRESETS: dict[str, ReproducePreset] = {
     "paper": ReproducePreset(name="paper"),
-    # Sized by the lead from measurements on the 2-core CPU; N = 4096 calibration is kept (App. B), its budget cut.
+    # Sized from measurements on the 2-core CPU (docs/results/reproduce): a baseline's Eq. 20 update costs ~0.3 s at
+    # N = 4096 (1000 updates x 24 layers would be ~2 h per baseline), so the cpu preset calibrates at N = 1024 on
+    # 100 updates and fine-tunes 24 x 512 tokens; the whole seven-method run takes about an hour.
     "cpu": ReproducePreset(
         name="cpu",
-        calib_max_updates=200,
+        calib_seq_len=1024,
+        calib_max_updates=100,
         calib_patience=100,
         calib_val_every=50,
+        calib_train_pool=64,
+        calib_val_positions=128,
         fidelity_blocks=(0, 1, 2, 3),
-        finetune_updates=FINETUNE_PRESETS["cpu"]["updates"],
-        finetune_block_len=FINETUNE_PRESETS["cpu"]["block_len"],
-        finetune_val_every=FINETUNE_PRESETS["cpu"]["val_every"],
-        finetune_val_blocks=FINETUNE_PRESETS["cpu"]["val_blocks"],
+        fidelity_seq_len=1024,
+        finetune_updates=24,
+        finetune_block_len=512,
+        finetune_val_every=8,
+        finetune_val_blocks=4,
         eval_block_len=1024,
         eval_max_blocks=4,
-        eval_limit=200,
+        eval_limit=100,
     ),
     # Minutes on 2 cores: every stage runs, on tiny budgets; the conversion range stays the model's default. With
     # eval_limit 20 and 40 analysis prompts it took 17.6 min on SmolLM2 (1 thread, load ~4), evaluation ~2/3 of it.
