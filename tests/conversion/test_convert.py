@@ -223,3 +223,38 @@ def test_kernels_stay_fp32_when_the_model_is_cast(make_model):
         assert other.model.layers[1].self_attn.q_proj.weight.dtype == torch.float16
     detached = detach_kernel(model, 1)
     assert detached.half().L.dtype == torch.float16
+
+
+@pytest.mark.parametrize("name", ["oal+sink+window", "global+sink"])
+def test_sink_window_kernels_convert_from_their_calibration(make_model, tmp_path, name):
+    from oal.conversion import load_converted, save_converted
+    from oal.kernels.registry import build_kernel, kernel_config
+
+    model = make_model()
+    groups = groups_for(model, [1, 2]) if name.startswith("oal") else {1: None, 2: None}
+    kernels = {}
+    for i in (1, 2):
+        kw = {"groups": groups[i]} if groups[i] is not None else {}
+        kernels[i] = build_kernel(name, num_heads=6, num_kv_heads=2, head_dim=8, layer_idx=i, n_sink=2, **kw)
+        with torch.no_grad():
+            kernels[i].beta.normal_()
+    summary = {
+        "kernel": name,
+        "layers": {str(i): {"meta": {"kernel_config": kernel_config(k)}} for i, k in kernels.items()},
+    }
+    write_calibrated(tmp_path, kernels, summary)
+    converted = convert_model(model, name, layers="1-2", calibrated=tmp_path)
+    for i in (1, 2):
+        got = attached_kernels(converted)[i]
+        assert got.name == name and got.n_sink == 2
+        for key, value in kernels[i].state_dict().items():
+            assert torch.equal(got.state_dict()[key], value), key
+    ids = torch.randint(0, 256, (1, 19))
+    with torch.no_grad():
+        ref = converted(ids, use_cache=False).logits
+        loaded = load_converted(save_converted(converted, tmp_path / "saved"))
+        assert torch.equal(loaded(ids, use_cache=False).logits, ref)
+    with pytest.raises(ValueError, match="converted from its calibration directory alone"):
+        convert_model(make_model(), name, layers="1-2")
+    with pytest.raises(ValueError, match="converted from its calibration directory alone"):
+        convert_model(make_model(), name, layers="1-2", calibrated=tmp_path, window=4)

@@ -38,7 +38,12 @@ def _bad(err: Exception) -> typer.BadParameter:
 def convert(
     out: Annotated[Path, typer.Option("--out", help="Directory for the converted model (must be new or empty).")],
     model: Annotated[str, typer.Option("--model", help="Model name, directory or Hub id.")] = "smollm2-135m",
-    kernel: Annotated[str, typer.Option("--kernel", help="Kernel name from oal.kernels.KERNELS.")] = "oal",
+    kernel: Annotated[
+        str,
+        typer.Option(
+            "--kernel", help="Kernel name from oal.kernels.KERNELS, or a sink/window name (from its calibration)."
+        ),
+    ] = "oal",
     layers: Annotated[
         str, typer.Option("--layers", help="Layers to convert, e.g. '3-26' or '3,5,8-10' (default: App. F range).")
     ] = "",
@@ -52,11 +57,13 @@ def convert(
     """Replace the attention of a layer range by a kernel and save the converted model (loads with
     `oal.models.load_model(DIR)`)."""
     from ..kernels import KERNELS
+    from ..kernels.registry import SINK_WINDOW_KERNELS
     from ..models import load_model, load_tokenizer
     from .convert import convert_model, save_converted
 
-    if kernel not in KERNELS:
-        raise typer.BadParameter(f"expected one of {', '.join(KERNELS)}, got {kernel!r}", param_hint="--kernel")
+    names = KERNELS + SINK_WINDOW_KERNELS
+    if kernel not in names:
+        raise typer.BadParameter(f"expected one of {', '.join(names)}, got {kernel!r}", param_hint="--kernel")
     for name, path in (("--calibrated", calibrated), ("--groups", groups)):
         if path is not None and not path.exists():
             raise typer.BadParameter(f"no such file or directory: {path}", param_hint=name)

@@ -33,6 +33,7 @@ from .. import __version__
 from ..grouping import GroupAssignment
 from ..io import read_json
 from ..kernels import KERNELS, AttentionKernel, build_kernel, kernel_config, kernel_from_config
+from ..kernels.registry import SINK_WINDOW_KERNELS
 from ..models import AttentionSpec, attach_kernel, attached_kernels, attention_spec
 
 __all__ = [
@@ -248,7 +249,7 @@ def convert_model(
     **kernel_kw: Any,
 ) -> PreTrainedModel:
     """Replace the attention of ``layers`` (default :func:`default_layers`) by ``kernel`` (a name in
-    :data:`oal.kernels.KERNELS`), in place; returns the model.
+    :data:`oal.kernels.KERNELS`, or a sink/window name such as ``"oal+sink+window"``), in place; returns the model.
 
     Args:
         model: a supported causal LM (:func:`check_supported`), not converted yet.
@@ -261,13 +262,23 @@ def convert_model(
             layer -> ``(Hq, d)`` group ids; for ``"oal"`` they default to the ``groups`` tensors of ``calibrated``.
         seed: seed of the baselines' fixed random projections.
 
+    Sink/window kernels are converted from their calibration only (``oal calibrate --kernel oal+sink+window
+    --init-from …``): each layer's kernel, with its groups, sink count and window, is rebuilt from the
+    recorded config, so ``groups`` and ``kernel_kw`` must not be given.
+
     Everything is validated and every kernel built before the model is touched.
     """
     spec = check_supported(model)
     if conversion_info(model) is not None or attached_kernels(model):
         raise ValueError("model: it already has kernels attached; convert a freshly loaded model")
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    if kernel not in KERNELS + SINK_WINDOW_KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS + SINK_WINDOW_KERNELS}, got {kernel!r}")
+    sink_window = kernel in SINK_WINDOW_KERNELS
+    if sink_window and (calibrated is None or groups is not None or kernel_kw):
+        raise ValueError(
+            f"calibrated: the {kernel!r} kernel is converted from its calibration directory alone (without groups= "
+            f"or kernel options), got calibrated={calibrated!r}, groups={groups!r}, options {sorted(kernel_kw)}"
+        )
     if "groups" in kernel_kw:
         raise ValueError("kernel_kw: pass the dimension groups as groups= (a GroupAssignment or its JSON file)")
     layer_list = default_layers(model) if layers is None else parse_layers(layers, spec.num_layers)
@@ -290,7 +301,7 @@ def convert_model(
     group_ids, groups_record = None, None
     if groups is not None:
         group_ids, groups_record = _load_groups(groups, spec, layer_list)
-    elif kernel == "oal":
+    elif kernel == "oal" and not sink_window:
         if calib is None or any("groups" not in calib[i] for i in layer_list):
             raise ValueError(
                 "groups: the 'oal' kernel needs dimension groups: pass groups= (a GroupAssignment or its JSON file) "
@@ -301,6 +312,14 @@ def convert_model(
 
     kernels: dict[int, AttentionKernel] = {}
     for i in layer_list:
+        if sink_window:
+            from ..calibration import load_calibrated
+
+            built = load_calibrated(calibrated, i)
+            if built.name != kernel:
+                raise ValueError(f"calibrated: layer {i} holds a {built.name!r} kernel, not {kernel!r}")
+            kernels[i] = built
+            continue
         kw = dict(kernel_kw)
         if group_ids is not None:
             kw["groups"] = group_ids[i]

@@ -44,7 +44,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..io import provenance, read_json, write_json
-from ..kernels.registry import KERNELS, SINK_WINDOW_KERNELS
+from ..kernels.registry import SINK_WINDOW_KERNELS
 from ..kernels.sink_window import split_sink_window_name
 from .presets import ReproducePreset
 
@@ -503,23 +503,13 @@ class Reproduction:
         )
 
     def convert(self, model: torch.nn.Module, method: str) -> torch.nn.Module:
-        """Attach ``method``'s calibrated kernels to the converted layers of a freshly loaded ``model``.
+        """Attach ``method``'s calibrated kernels to the converted layers of a freshly loaded ``model`` with
+        :func:`oal.conversion.convert_model` (which checks that the calibration covers exactly these layers and
+        records the conversion); parameter-free baselines use their seeded fixed projections."""
+        from ..conversion import convert_model
 
-        Registry kernels go through :func:`oal.conversion.convert_model` (which checks that the calibration
-        covers exactly these layers and records the conversion); sink/window kernels, which it does not take,
-        are rebuilt layer by layer from their calibration (:func:`oal.calibration.load_calibrated`)."""
-        if method in KERNELS:
-            from ..conversion import convert_model
-
-            calibrated = None if method in self.fixed else self.calib_dir(method)
-            return convert_model(model, method, layers=self.layers, calibrated=calibrated, seed=self.preset.seed)
-        from ..calibration import load_calibrated
-        from ..models import attach_kernel
-
-        kernels = {i: load_calibrated(self.calib_dir(method), i) for i in self.layers}
-        for i, kernel in kernels.items():
-            attach_kernel(model, i, kernel)
-        return model
+        calibrated = None if method in self.fixed else self.calib_dir(method)
+        return convert_model(model, method, layers=self.layers, calibrated=calibrated, seed=self.preset.seed)
 
     def _finetune(self, method: str) -> None:
         from ..models import load_model, load_tokenizer
