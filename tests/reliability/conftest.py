@@ -44,6 +44,19 @@ def _text(seed: int, n_bytes: int) -> str:
     return "".join(lines)
 
 
+def small_llama():
+    """A random 2-layer Llama in memory (vocab 64, 4 query heads of 8 dims, 2 KV heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        )  # fmt: skip
+        return LlamaForCausalLM(config).eval()
+
+
 def make_env(root: Path) -> dict[str, Path]:
     """Write the tiny world under ``root`` (see the module docstring) and return its paths."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
