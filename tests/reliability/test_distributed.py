@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from conftest import OAL, N, free_port, subprocess_env
+from conftest import OAL, N, free_port, small_llama, subprocess_env
 from safetensors.torch import load_file
 
 
@@ -95,3 +95,16 @@ def test_two_process_finetune_matches_one_process_with_accumulation(world, tmp_p
         torch.testing.assert_close(p1[k], p2[k], rtol=0, atol=1e-6)
     diff = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
     print(f"max |Δparameter| between 2 processes and 1 process with accumulation: {diff:.3g}")
+
+
+def test_finetune_refuses_processes_that_formed_no_group(tmp_path, monkeypatch):
+    """torchrun on CPUs without ACCELERATE_USE_CPU: accelerate sees one process per process; training alone in
+    each would write one run directory from several processes. It is refused before anything is written."""
+    from oal.training import FinetuneConfig, FinetuneData, finetune
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    config = FinetuneConfig(updates=1, block_len=16, val_every=1, val_blocks=1)
+    with pytest.raises(ValueError, match="started 2 processes but accelerate joined 1.*ACCELERATE_USE_CPU"):
+        finetune(small_llama(), config, tmp_path / "run", data=FinetuneData.from_blocks(ids, 1, source="random"))
+    assert not (tmp_path / "run").exists()

@@ -42,6 +42,7 @@ from accelerate.utils import set_seed
 from peft import PeftModel
 from torch import nn
 
+from ..distributed import launched_world_size
 from ..io import provenance, write_json, write_text
 from ..models import attached_kernels
 from .checkpoint import CheckpointError, latest_checkpoint, load_training_state, save_training_state
@@ -169,6 +170,14 @@ def finetune(
         raise ValueError(
             f"accelerator: mixed precision {acc.mixed_precision!r} differs from config.mixed_precision "
             f"{config.mixed_precision!r}"
+        )
+    launched = launched_world_size()
+    if acc.num_processes != launched:
+        # e.g. torchrun on a machine without GPUs and without ACCELERATE_USE_CPU: every process would train alone
+        # and all of them would write the same run directory
+        raise ValueError(
+            f"accelerator: the launcher started {launched} processes but accelerate joined {acc.num_processes}; "
+            "on CPUs set ACCELERATE_USE_CPU=1 (docs/distributed.md)"
         )
     if config.mixed_precision == "bf16" and acc.device.type == "cpu":
         logger.warning("bf16 autocast on a CPU: without native bf16 matmuls it is several times slower than fp32")
