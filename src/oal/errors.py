@@ -29,7 +29,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 # library argument names that reach a command under another option name (first existing option wins)
 ALIASES: dict[str, tuple[str, ...]] = {
     "name_or_path": ("model",),
-    "path": ("model",),
     "data_dir": ("data", "data_dir"),
     "block_len": ("seq_len", "block_len"),
     "out_dir": ("out",),

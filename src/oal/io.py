@@ -120,7 +120,8 @@ def load_tensors(
 
     Raises :class:`IntegrityError` naming ``what`` and the file when the file cannot be parsed (truncated,
     not safetensors), a requested tensor is absent, or a checksum differs. Files written before checksums were
-    recorded load with a warning (once per file): safetensors itself still detects their truncation.
+    recorded load with a warning (once per directory): safetensors itself still detects their truncation, not an
+    altered byte.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -149,7 +150,12 @@ def load_tensors(
                     f"{what}: tensor {k!r} of {path} does not match its sha256 (the file was altered or damaged); "
                     "delete the file and re-create it"
                 )
-    elif str(path) not in _unverified:
-        _unverified.add(str(path))
-        logger.warning("%s: %s has no checksums (written by an older version); loaded unverified", what, path)
+    elif str(path.parent) not in _unverified:  # once per directory: a cache holds many such files
+        _unverified.add(str(path.parent))
+        logger.warning(
+            "%s: %s (and maybe other files in its directory) has no checksums (written by an older version); "
+            "loaded unverified",
+            what,
+            path,
+        )
     return ({k[len(prefix) :]: v for k, v in tensors.items()} if keys is None else tensors), meta

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import CALIBRATE_FAST, N
+from reliability_world import CALIBRATE_FAST, N
 from typer.testing import CliRunner
 
 from oal.cli import app

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from conftest import OAL, N, free_port, small_llama, subprocess_env
+from reliability_world import OAL, N, free_port, small_llama, subprocess_env
 from safetensors.torch import load_file
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CALIBRATE_FAST, OAL, N, small_llama, subprocess_env
+from reliability_world import CALIBRATE_FAST, OAL, N, small_llama, subprocess_env
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import small_llama
+from reliability_world import small_llama
 from safetensors.torch import load_file
 
 from oal.calibration import QKV, CalibrationConfig, calibrate_layers
