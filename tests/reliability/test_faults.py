@@ -144,17 +144,22 @@ def test_damaged_finetune_checkpoint_ends_the_command_with_one_error_line(world,
 # --------------------------------------------------------------------------------------------- SIGKILL
 
 
-def _kill_after(cmd: list[str], env: dict, ready, rng: random.Random, max_delay: float) -> float:
-    """Start ``cmd``, wait until ``ready()`` (some progress is on disk), then SIGKILL it after a random delay;
-    returns the delay. Fails if the command finished before the kill."""
+def _kill_after(cmd: list[str], env: dict, first, second, rng: random.Random, units: float) -> float:
+    """Start ``cmd``; once ``second()`` holds (some progress is on disk), SIGKILL it after a random delay of up to
+    ``units`` times the time between ``first()`` and ``second()`` becoming true (one unit of work, e.g. one layer:
+    so the kill lands in the remaining work whatever the machine's speed). Returns the delay; fails if the
+    command finished before the kill."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 600
-        while not ready():
-            assert proc.poll() is None, f"exited ({proc.returncode}) before any progress: {proc.stderr.read()[-2000:]}"
-            assert time.monotonic() < deadline, "no progress in 600 s"
-            time.sleep(0.05)
-        delay = rng.uniform(0.0, max_delay)
+        times = []
+        for mark in (first, second):
+            while not mark():
+                assert proc.poll() is None, f"exited ({proc.returncode}) early: {proc.stderr.read()[-2000:]}"
+                assert time.monotonic() < deadline, "no progress in 600 s"
+                time.sleep(0.02)
+            times.append(time.monotonic())
+        delay = rng.uniform(0.0, units * (times[1] - times[0]))
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=60) == -signal.SIGKILL, "the run finished before the kill: give it more work"
@@ -183,17 +188,20 @@ def test_sigkill_calibrate_then_resume_equals_uninterrupted(world, tmp_path):
     env = subprocess_env(world)
     base = [*OAL, "calibrate", "--kernel", "oal", "--groups", str(world["groups"]), "--model", str(world["model"]),
             "--seq-len", str(N), "--layers", "0-2", "--data", str(world["data"]), "--threads", "1",
-            "--max-updates", "300", "--patience", "300", "--train-pool", "32", "--val-positions", "16"]  # fmt: skip
-    rng = random.Random()
-    run = tmp_path / "run"
-    cmd = [*base, "--out", str(run), "--cache", str(tmp_path / "qkv-run")]
-    first_layer = run / "layers" / "layer_000.json"
-    delay = _kill_after(cmd, env, first_layer.is_file, rng, max_delay=1.0)
+            "--max-updates", "600", "--patience", "600", "--train-pool", "32", "--val-positions", "16"]  # fmt: skip
+    run, cache = tmp_path / "run", tmp_path / "qkv-run"
+    cmd = [*base, "--out", str(run), "--cache", str(cache)]
+
+    def captured() -> bool:  # the fit starts once the 10 fitting blocks are in the cache
+        return len(list(cache.rglob("block_*.safetensors"))) == 10
+
+    # killed within the next 1.5 layers' time: in layer 1 or the first half of layer 2
+    delay = _kill_after(cmd, env, captured, (run / "layers" / "layer_000.json").is_file, random.Random(), 1.5)
     done = sorted(p.name for p in (run / "layers").glob("*.json"))
     _run(cmd, env)
     _run([*base, "--out", str(tmp_path / "ref"), "--cache", str(tmp_path / "qkv-ref")], env)
     a, b = load_file(tmp_path / "ref" / "params.safetensors"), load_file(run / "params.safetensors")
-    note = f"killed {delay:.2f} s after layer 0 finished (layers done then: {done})"
+    note = f"killed {delay:.2f} s after layer 0 finished (layer files then: {done})"
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), note
     ga, gb = (load_file(d / "global" / "params.safetensors") for d in (tmp_path / "ref", run))
     assert all(torch.equal(ga[k], gb[k]) for k in ga), note
@@ -210,14 +218,15 @@ def test_sigkill_finetune_then_resume_equals_uninterrupted(world, tmp_path):
     run = tmp_path / "run"
     log = run / "train_log.jsonl"
 
-    def progressed() -> bool:
-        return log.is_file() and len(log.read_text().splitlines()) >= 2
+    def updates(n: int):
+        return lambda: log.is_file() and len(log.read_text().splitlines()) >= n
 
-    delay = _kill_after([*base, "--out", str(run)], env, progressed, random.Random(), max_delay=1.5)
+    # killed within the time of 30 more updates (of 40): anywhere in the rest of the run
+    delay = _kill_after([*base, "--out", str(run)], env, updates(1), updates(2), random.Random(), 30)
     killed_at = len(log.read_text().splitlines())
     _run([*base, "--out", str(run)], env)
     _run([*base, "--out", str(tmp_path / "ref")], env)
-    note = f"killed {delay:.2f} s after update 2, at update {killed_at}"
+    note = f"killed {delay:.2f} s after update 2, after update {killed_at}"
 
     def lines(d):
         return [{k: v for k, v in json.loads(x).items() if k != "time"} for x in (d / "train_log.jsonl").open()]
