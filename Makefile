@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(OAL) analyze
+	$(OAL) reproduce --preset demo --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -32,9 +32,10 @@ def _register_commands() -> None:
     from .conversion.cli import register as conversion
     from .evaluation.cli import register as evaluation
     from .fidelity.cli import register as fidelity
+    from .reproduce.cli import register as reproduce
     from .training.cli import register as training
 
-    for register in (analysis, bench, conversion, evaluation, fidelity, training):
+    for register in (analysis, bench, conversion, evaluation, fidelity, training, reproduce):
         register(app)
 
 

@@ -223,5 +223,7 @@ def test_registry_kernels(name, selection):
     res = calibrate_layer(kernel, train, val, config=cfg, layer=1)
     assert res.selection == selection and res.kernel == kernel.name
     assert res.meta["kernel_config"]["name"] == kernel.name
+    assert res.val_mse.shape == (Hq,) and res.init_val_mse.shape == (1, Hq)
     assert (res.val_mse <= res.init_val_mse[0] + 1e-12).all() and torch.isfinite(res.val_mse).all()
     assert set(res.state) == set(kernel.state_dict())
+    assert [h["head"] for h in res.summary()["heads"]] == list(range(Hq))

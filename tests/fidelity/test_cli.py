@@ -122,10 +122,18 @@ def test_fidelity_refuses_fitting_blocks_and_missing_calibration(calibrated, env
 def test_resolve_methods(tmp_path):
     (tmp_path / "oal" / "global").mkdir(parents=True)
     (tmp_path / "oal" / "global" / "params.safetensors").write_bytes(b"")
-    got = resolve_methods(["softmax", "global", "dijiang=init", "oal=/x"], tmp_path)
-    assert got == [("softmax", None), ("global", str(tmp_path / "oal" / "global")), ("dijiang", "init"), ("oal", "/x")]
+    got = resolve_methods(["softmax", "global", "dijiang=init", "oal=/x", "w16:oal+window=/y"], tmp_path)
+    assert got == [
+        ("softmax", "softmax", None),
+        ("global", "global", str(tmp_path / "oal" / "global")),
+        ("dijiang", "dijiang", "init"),
+        ("oal", "oal", "/x"),
+        ("w16", "oal+window", "/y"),
+    ]
     with pytest.raises(ValueError, match="twice"):
         resolve_methods(["oal", "oal=/y"], tmp_path)
+    with pytest.raises(ValueError, match="twice"):
+        resolve_methods(["a:oal=/x", "a:global=/y"], tmp_path)
     with pytest.raises(ValueError, match="kernel"):
         resolve_methods(["nope"], tmp_path)
 

@@ -354,7 +354,7 @@ def _fit_kernel(
     and the per-head validation MSE of the final parameters."""
     names, params, lead = _trainable(kernel)
     if not params:
-        return None, False, targets.val_mse(kernel)
+        return None, False, targets.val_mse(kernel)[0]
     per_layer = 0 in lead
     step = autograd_step(params, lead, lambda u: targets.train_loss(kernel, u), config)
     outcome = optimise(

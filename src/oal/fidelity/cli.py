@@ -263,26 +263,29 @@ DEFAULT_METHODS = ("softmax", "performer", "spectraformer", "dijiang", "taylorsh
 DEFAULT_CALIBRATED = Path("runs/calibrate")
 
 
-def resolve_methods(specs: list[str], calibrated_root: Path | None) -> list[tuple[str, str | None]]:
-    """``name``, ``name=DIR`` or ``name=init`` -> ``(name, source)`` with source a calibration directory,
-    ``"init"`` (the kernel's initial values) or None (decided when the kernel is built: only methods without
-    trainable parameters may go without a source). A bare ``name`` uses ``<calibrated_root>/<name>`` if that
-    directory exists (``global`` also ``<calibrated_root>/oal/global``)."""
+def resolve_methods(specs: list[str], calibrated_root: Path | None) -> list[tuple[str, str, str | None]]:
+    """``[LABEL:]name``, ``[LABEL:]name=DIR`` or ``[LABEL:]name=init`` -> ``(label, name, source)`` with source a
+    calibration directory, ``"init"`` (the kernel's initial values) or None (decided when the kernel is built: only
+    methods without trainable parameters may go without a source). A bare ``name`` uses
+    ``<calibrated_root>/<name>`` if that directory exists (``global`` also ``<calibrated_root>/oal/global``).
+    The label (default: the name) keys the results, so one kernel can appear with several calibrations
+    (e.g. ``oal+sink+window`` with different sink and window sizes)."""
     from .methods import check_name
 
-    out: list[tuple[str, str | None]] = []
+    out: list[tuple[str, str, str | None]] = []
     for spec in specs:
-        name, _, src = spec.partition("=")
-        check_name(name.strip())
-        name = name.strip()
+        left, _, src = spec.partition("=")
+        label, _, name = left.rpartition(":")
+        name = check_name(name.strip())
+        label = label.strip() or name
         if not src and calibrated_root is not None:
             for cand in (calibrated_root / name, calibrated_root / "oal" / "global" if name == "global" else None):
                 if cand is not None and (cand / "params.safetensors").is_file():
                     src = str(cand)
                     break
-        if any(n == name for n, _ in out):
-            raise ValueError(f"methods: {name!r} is given twice")
-        out.append((name, src or None))
+        if any(lab == label for lab, _, _ in out):
+            raise ValueError(f"methods: {label!r} is given twice (give each a distinct LABEL:name=DIR)")
+        out.append((label, name, src or None))
     return out
 
 
@@ -337,7 +340,7 @@ def run_fidelity(
 
     kernels: dict[str, dict[int, object]] = {}
     params: dict[str, str] = {}
-    for name, src in resolved:
+    for label, name, src in resolved:
         per_layer = {}
         for layer in layers:
             if name == "softmax":
@@ -361,22 +364,22 @@ def run_fidelity(
             if layer == layers[0]:
                 trainable = has_trainable(kern)
             per_layer[layer] = kern.eval().requires_grad_(False)
-        kernels[name] = per_layer
+        kernels[label] = per_layer
         if name == "softmax":
-            params[name] = "exact reference (SDPA)"
+            params[label] = "exact reference (SDPA)"
         elif src not in (None, "init"):
             info = calibration_info(src)
-            check_disjoint(info, split, blocks, seq_len, f"{name} ({src})")
-            params[name] = f"calibrated: {src}" + (f" ({info['data']['description']})" if info.get("data") else "")
+            check_disjoint(info, split, blocks, seq_len, f"{label} ({src})")
+            params[label] = f"calibrated: {src}" + (f" ({info['data']['description']})" if info.get("data") else "")
         else:
-            params[name] = "initial values" if trainable else "no trainable parameters"
+            params[label] = "initial values" if trainable else "no trainable parameters"
         if name in STOCHASTIC:
-            params[name] += f"; fixed random projections of seed {per_layer[layers[0]].seed} (per layer, F.1)"
+            params[label] += f"; fixed random projections of seed {per_layer[layers[0]].seed} (per layer, F.1)"
 
     qkv = open_cache(cache, model_name, tok, split, seq_len, data_dir=data_dir, model_source=str(model.oal_source))
     check_enough_blocks(qkv.ids.shape[0], blocks, split, seq_len)
     desc = eval_description(qkv.key.text_source, blocks, seq_len)
-    console.print(f"methods {[n for n, _ in resolved]} on layers {layers}; {desc}")
+    console.print(f"methods {[lab for lab, _, _ in resolved]} on layers {layers}; {desc}")
     with _Clock() as capture_clock:
         capture = qkv.ensure(model, blocks, layers, progress=progress)
     projections = {}
@@ -398,7 +401,7 @@ def run_fidelity(
             blocks,
             on_step=lambda: bar.advance(task),
         )
-    table = {name: run.acc.metrics(name) for name, _ in resolved}
+    table = {label: run.acc.metrics(label) for label, _, _ in resolved}
     result = {
         "methods": {
             name: {**m, "params": params[name], "kernel_seconds": round(run.seconds[name], 2)}
@@ -780,7 +783,8 @@ def register(app: typer.Typer) -> None:
             list(DEFAULT_METHODS),
             "--method",
             "-m",
-            help="Method: registry name, name=CALIBRATION_DIR or name=init (initial values). Repeat for several.",
+            help="Method: [LABEL:]name, [LABEL:]name=CALIBRATION_DIR or [LABEL:]name=init (initial values); "
+            "the label keys the results. Repeat for several.",
         ),
         model: str = typer.Option(DEFAULT_MODEL, help="Model name, local directory or hub id."),
         layers: str = typer.Option("4,12,20", help="Evaluated layers (all query heads)."),
