@@ -56,6 +56,29 @@ def small_llama():
         return LlamaForCausalLM(config).eval()
 
 
+def _task_files(root: Path) -> None:
+    """Two-item PIQA / HellaSwag / ARC-Easy files in the shared data folder's layout (`oal reproduce` wants them)."""
+    import json
+
+    (root / "piqa").mkdir(parents=True, exist_ok=True)
+    pairs = [("boil water", "heat it in a pot", "freeze it"), ("dry hands", "use a towel", "use a river")]
+    (root / "piqa" / "valid.jsonl").write_text(
+        "".join(json.dumps({"goal": g, "sol1": a, "sol2": b}) + "\n" for g, a, b in pairs)
+    )
+    (root / "piqa" / "valid-labels.lst").write_text("0\n0\n")
+    (root / "hellaswag").mkdir(exist_ok=True)
+    items = [["Music: a man plays", "1", "and sleeps.", "and plays on.", "of stone.", "north beta."]] * 2
+    (root / "hellaswag" / "hellaswag_val_full.txt").write_text("".join(x + "\n" for item in items for x in item))
+    (root / "arc-easy").mkdir(exist_ok=True)
+    question = {
+        "stem": "Which is a liquid?",
+        "choices": [{"text": t, "label": c} for t, c in zip(["stone", "water"], "AB", strict=True)],
+    }
+    (root / "arc-easy" / "ARC-Easy-Test.jsonl").write_text(
+        "".join(json.dumps({"id": f"q{i}", "question": question, "answerKey": "B"}) + "\n" for i in range(2))
+    )
+
+
 def make_env(root: Path) -> dict[str, Path]:
     """Write the tiny world under ``root`` (see the module docstring) and return its paths."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -91,11 +114,13 @@ def make_env(root: Path) -> dict[str, Path]:
     (paths["data"] / "wikitext-2-raw").mkdir(parents=True)
     (paths["data"] / "wikitext-2-raw" / "wiki.valid.raw").write_text(_text(1, 26 * N + 300))
     (paths["data"] / "wikitext-2-raw" / "wiki.test.raw").write_text(_text(2, 20 * N + 300))
+    _task_files(paths["data"])
     for name, content in (("empty_data", b""), ("binary_data", bytes(range(128, 256)) * 40)):
         paths[name] = root / name
         (paths[name] / "wikitext-2-raw").mkdir(parents=True)
         for split in ("valid", "test", "train"):
             (paths[name] / "wikitext-2-raw" / f"wiki.{split}.raw").write_bytes(content)
+        _task_files(paths[name])
     gen = torch.Generator().manual_seed(3)
     for key, heads, dim in (("groups", HEADS, HEAD_DIM), ("groups_other", 4, 16)):
         chi = torch.rand(LAYERS, 12, heads, dim, generator=gen, dtype=torch.float64)

@@ -5,7 +5,9 @@ traceback), a non-zero exit, and leave what ``--out`` already holds untouched.
 
 Cells left out on purpose: ``generate`` and ``eval`` accept any causal LM (GPT-2 included: nothing is
 converted), so an "unsupported architecture" is not bad input for them; ``generate``, ``bench op`` and ``group``
-read no text data; ``bench op`` loads no model.
+read no text data; ``bench op`` loads no model. ``reproduce`` handles its errors itself (src/oal/reproduce is
+another helper's module): its messages name the argument rather than the option, and two rows are expected to
+fail until its data errors are caught (REPRODUCE_GAP).
 """
 
 from __future__ import annotations
@@ -85,6 +87,12 @@ def bench_decode(w: W, out: Path) -> list:
             "--warmup", "0"]  # fmt: skip
 
 
+def reproduce(w: W, out: Path) -> list:
+    return ["reproduce", "--preset", "demo", "--out", out, "--model", w["model"], "--data", w["data"],
+            "--cache", w["root"] / "qkv", "--layers", "1", "--fidelity-layers", "1", "--analyze-layer", "1",
+            "--no-progress", "--threads", "1"]  # fmt: skip
+
+
 def with_(base: Callable[[W, Path], list], *extra: str | Callable[[W], object]):
     """``base``'s arguments followed by ``extra`` (callables get the world: ``lambda w: w["gpt2"]``); later
     options override earlier ones."""
@@ -101,6 +109,12 @@ GROUPS_BINARY = ("--groups", lambda w: w["binary_file"])
 def data(option: str, key: str):
     return (option, lambda w: w[key])
 
+
+REPRODUCE_GAP = pytest.mark.xfail(
+    strict=True,
+    reason="oal reproduce (src/oal/reproduce, not edited here) writes run.json into --out and then lets the data "
+    "error of its first step escape as a traceback",
+)
 
 # (id, argv, text(s) the single error line must contain)
 CASES = [
@@ -208,6 +222,15 @@ CASES = [
     ("bench-decode-zero-size", with_(bench_decode, "--sizes", "0"), "--sizes"),
     ("bench-decode-zero-steps", with_(bench_decode, "--steps", "0"), "--steps"),
     ("bench-decode-zero-batch", with_(bench_decode, "--batch", "0"), "--batch"),
+    # reproduce (its own error handling: the messages name the argument, not the option)
+    ("reproduce-missing-model", with_(reproduce, *MISSING_MODEL), "name_or_path"),
+    ("reproduce-wrong-data", with_(reproduce, *data("--data", "missing")), "no such data folder"),
+    ("reproduce-empty-data", with_(reproduce, *data("--data", "empty_data")), "is empty", REPRODUCE_GAP),
+    ("reproduce-binary-data", with_(reproduce, *data("--data", "binary_data")), "not valid UTF-8", REPRODUCE_GAP),
+    ("reproduce-layers-out-of-range", with_(reproduce, "--layers", "7"), "layers"),
+    ("reproduce-gpt2", with_(reproduce, *GPT2), "Llama/Qwen2/Mistral"),
+    ("reproduce-zero-seq-len", with_(reproduce, "--calib-seq-len", "0"), "calib_seq_len"),
+    ("reproduce-negative-n-boot", with_(reproduce, "--group-n-boot", "-1"), "group_n_boot"),
 ]
 
 
@@ -236,7 +259,7 @@ def assert_one_error_line(result, expect: str | tuple[str, ...]) -> str:
     return errors[0]
 
 
-@pytest.mark.parametrize("argv,expect", [pytest.param(a, e, id=i) for i, a, e in CASES])
+@pytest.mark.parametrize("argv,expect", [pytest.param(a, e, id=i, marks=m) for i, a, e, *m in CASES])
 def test_bad_input_gives_one_error_line(world, tmp_path, argv, expect):
     out = tmp_path / "out"
     before = previous_outputs(out)
@@ -253,7 +276,7 @@ def test_commands_all_covered():
     names = {n for n in click_app.commands if n != "bench"} | {
         f"bench-{n}" for n in click_app.commands["bench"].commands
     }
-    missing = [n for n in sorted(names - {"bench-report"}) if not any(i.startswith(n + "-") for i, _, _ in CASES)]
+    missing = [n for n in sorted(names - {"bench-report"}) if not any(c[0].startswith(n + "-") for c in CASES)]
     assert not missing
 
 
