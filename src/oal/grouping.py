@@ -400,8 +400,12 @@ class GroupAssignment:
         num_heads: int | None = None,
     ) -> GroupAssignment:
         path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such group file")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not a JSON group file (not UTF-8 text: {e.reason} at byte {e.start})") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not a JSON group file ({e})") from None
         return cls.from_dict(data, model_id=model_id, head_dim=head_dim, num_heads=num_heads, source=str(path))

@@ -83,11 +83,11 @@ def test_explicit_dir_never_falls_back(make_data_dir):
 
 def test_bad_files_and_arguments(make_data_dir, tmp_path):
     root = make_data_dir({"test": "", "valid": " \n\n \n", "train": b"caf\xe9\n"})
-    with pytest.raises(ValueError, match=r"path: .*wiki\.test\.raw is empty"):
+    with pytest.raises(ValueError, match=r"data_dir: .*wiki\.test\.raw is empty"):
         load_text("test", data_dir=root)
-    with pytest.raises(ValueError, match=r"path: .*wiki\.valid\.raw is empty"):
+    with pytest.raises(ValueError, match=r"data_dir: .*wiki\.valid\.raw is empty"):
         load_text("valid", data_dir=root)
-    with pytest.raises(ValueError, match=r"path: .*wiki\.train\.raw is not valid UTF-8"):
+    with pytest.raises(ValueError, match=r"data_dir: .*wiki\.train\.raw is not valid UTF-8"):
         load_text("train", data_dir=root)
     with pytest.raises(ValueError, match="split: expected one of"):
         load_text("dev", data_dir=root)

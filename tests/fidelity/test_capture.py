@@ -87,14 +87,14 @@ def test_mismatches_raise(model, ids, tmp_path):
 
 
 def test_interrupted_write_leaves_no_file(model, ids, tmp_path, monkeypatch):
-    import oal.fidelity.capture as cap
+    import safetensors.torch
 
     cache = QKVCache(tmp_path, _key(), ids)
 
     def boom(*a, **k):
         raise RuntimeError("killed")
 
-    monkeypatch.setattr(cap, "save_file", boom)
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
     with pytest.raises(RuntimeError):
         cache.ensure(model, [0], [0], progress=False)
     assert not cache.path(0).exists() and list(cache.dir.glob("*.tmp")) == []

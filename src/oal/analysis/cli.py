@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from ..errors import cli_errors
 from ..io import provenance, read_json, write_json, write_text
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,9 @@ def run_analyze(
 
     for name, value in (("prompts", prompts), ("prompt_len", prompt_len), ("long_len", long_len)):
         if value < 1:
-            raise typer.BadParameter(f"expected a positive integer, got {value}", param_hint=f"--{name}")
+            raise typer.BadParameter(
+                f"expected a positive integer, got {value}", param_hint=f"--{name.replace('_', '-')}"
+            )
     model = load_model(model_name)
     tok = load_tokenizer(model_name)
     spec = attention_spec(model)
@@ -271,6 +274,12 @@ def run_group(
 
     analysis = ContributionAnalysis.load(chi_path)
     meta = read_json(chi_path.with_name("analysis.json"), what="analysis.json beside --chi")
+    if layer not in analysis.layers or not 0 <= head < analysis.num_heads:
+        raise typer.BadParameter(
+            f"expected one of the analysed layers {analysis.layers} and a head in [0, {analysis.num_heads}), got "
+            f"{layer}, {head}",
+            param_hint="--layer/--head",
+        )
     model_type = "qwen" if "qwen" in analysis.model_id.lower() else "llama"
     da, dg = default_grouping_params(model_type)
     alpha, gamma = (da if alpha is None else alpha), (dg if gamma is None else gamma)
@@ -317,6 +326,7 @@ def run_group(
 
 def register(app: typer.Typer) -> None:
     @app.command()
+    @cli_errors
     def analyze(
         model: str = typer.Option(DEFAULT_MODEL, help="Model name, local directory or hub id."),
         data: Path | None = typer.Option(None, "--data", help="Directory with wikitext-2-raw/ (else $OAL_DATA_DIR)."),
@@ -343,6 +353,7 @@ def register(app: typer.Typer) -> None:
         )
 
     @app.command()
+    @cli_errors
     def group(
         chi: Path = typer.Option(Path("runs/analyze/chi.safetensors"), help="χ per prompt, from `oal analyze`."),
         out: Path = typer.Option(Path("runs/group"), help="Output directory."),

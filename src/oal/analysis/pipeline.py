@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
+from ..io import CHECKSUM_KEY, load_tensors, save_tensors
 from .contributions import check_lengths, contribution_scores, mean_abs
 from .report import LayerSummary, layer_summaries
 from .stability import gaussian_control_scores
@@ -93,19 +92,23 @@ class ContributionAnalysis:
             "lengths": torch.tensor(self.lengths, dtype=torch.long),
         }
         meta = {"schema": SCHEMA, "version": str(SCHEMA_VERSION), "model_id": self.model_id}
-        save_file(tensors, str(path), metadata=meta)
-        return path
+        return save_tensors(path, tensors, metadata=meta)
 
     @classmethod
     def load(cls, path: str | Path, *, model_id: str | None = None) -> ContributionAnalysis:
+        """Read a file written by :meth:`save` (checksums verified; errors start with ``chi:``)."""
         path = Path(path)
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
+        t, meta = load_tensors(path, what="chi")
         if meta.get("schema") != SCHEMA or meta.get("version") != str(SCHEMA_VERSION):
-            raise ValueError(f"{path}: expected schema {SCHEMA!r} version {SCHEMA_VERSION}, got {json.dumps(meta)}")
+            got = {k: v for k, v in meta.items() if k != CHECKSUM_KEY}
+            raise ValueError(f"chi: {path}: expected schema {SCHEMA!r} version {SCHEMA_VERSION}, got {json.dumps(got)}")
         if model_id is not None and meta.get("model_id") != model_id:
-            raise ValueError(f"{path}: contributions are for model_id={meta.get('model_id')!r}, expected {model_id!r}")
-        t = load_file(str(path))
+            raise ValueError(
+                f"chi: {path}: contributions are for model_id={meta.get('model_id')!r}, expected {model_id!r}"
+            )
+        missing = sorted({"chi", "q_abs", "k_abs", "layers", "lengths"} - set(t))
+        if missing:
+            raise ValueError(f"chi: {path} lacks the tensors {missing}")
         return cls(t["layers"].tolist(), t["chi"], t["q_abs"], t["k_abs"], t["lengths"].tolist(), meta["model_id"])
 
 

@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from ..errors import cli_errors
+
 bench_app = typer.Typer(help="Benchmarks: the attention operator's runtime and memory.", no_args_is_help=True)
 
 
@@ -34,6 +36,7 @@ def _describe(point: dict) -> str:
 
 
 @bench_app.command("op")
+@cli_errors
 def op(
     out: Annotated[Path, typer.Option("--out", help="Output folder (op.json, op.md, op.png).")] = Path("runs/bench_op"),
     quick: Annotated[
@@ -83,14 +86,12 @@ def op(
         "point_timeout_s": timeout,
         "mem_fraction": mem_fraction,
     }
-    try:
-        if quick:
-            config = quick_config(**common)
-        else:
-            config = BenchConfig(**common, warmup=1, min_repeats=min_repeats, max_repeats=max_repeats, budget_s=budget)
-        n_list = [int(x) for x in _split(sizes, "--sizes")] if sizes else list(QUICK_SIZES if quick else FULL_SIZES)
-    except ValueError as err:
-        raise typer.BadParameter(str(err)) from err
+    # a bad value raises ValueError("<argument>: ..."), reported against its option by cli_errors
+    if quick:
+        config = quick_config(**common)
+    else:
+        config = BenchConfig(**common, warmup=1, min_repeats=min_repeats, max_repeats=max_repeats, budget_s=budget)
+    n_list = [int(x) for x in _split(sizes, "--sizes")] if sizes else list(QUICK_SIZES if quick else FULL_SIZES)
     if max_n:
         n_list = [n for n in n_list if n <= max_n]
     if not n_list:
@@ -140,6 +141,7 @@ def op(
 
 
 @bench_app.command("report")
+@cli_errors
 def report(
     out: Annotated[Path, typer.Option("--out", help="Folder holding op.json.")] = Path("runs/bench_op"),
 ) -> None:

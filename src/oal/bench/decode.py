@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -115,6 +115,14 @@ def build_model(method: str, config: DecodeConfig) -> torch.nn.Module:
     return convert_model(
         model, config.kernel, layers=config.layers, groups=groups, calibrated=config.calibrated, seed=config.seed
     )
+
+
+def check_buildable(config: DecodeConfig, methods: tuple[str, ...] = METHODS) -> None:
+    """Build the sweep's model once in this process (CPU, fp32: only to validate), so that bad input (a missing
+    model, an unsupported architecture, layers out of range, groups of another model) fails before any point runs
+    and before ``decode.json`` is touched, instead of as a failed point in every fresh process."""
+    method = "converted" if "converted" in methods else "original"
+    build_model(method, replace(config, device="cpu", dtype="fp32"))
 
 
 def _process_peak_bytes(kind: str, device: torch.device) -> int:

@@ -13,6 +13,14 @@ Output directory layout::
 Every file is written to a temporary name and moved into place with ``os.replace``, so a killed run
 leaves either the previous or the new version; a restarted run skips the layers whose JSON exists.
 Each layer draws from its own seeded generator, so a resumed run reproduces an uninterrupted one.
+Every safetensors file records the sha256 of each tensor (:func:`oal.io.save_tensors`); reading a truncated or
+altered file raises :class:`oal.io.IntegrityError` instead of loading it.
+
+Several processes (``torchrun``/``accelerate launch``, see :mod:`oal.distributed` and docs/distributed.md) share
+the layers still to do round robin; each writes its own layers' files (distinct names), and after a barrier
+process 0 alone writes ``params.safetensors`` and ``summary.json``. The output directory must be visible to
+every process (one machine, or a shared filesystem). Since a layer's result depends only on (seed, layer), the
+parameters do not depend on the number of processes.
 """
 
 from __future__ import annotations
@@ -26,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
+from ..distributed import Processes
+from ..io import load_tensors, save_tensors
 from ..kernels import AttentionKernel
 from ..kernels.registry import kernel_from_config
 from .config import QKV, CalibrationConfig
@@ -45,15 +53,8 @@ def _atomic_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _atomic_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
-
-
 def _read_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
-    with safe_open(str(path), framework="pt") as fh:
-        return {k[len(prefix) :]: fh.get_tensor(k) for k in fh.keys() if k.startswith(prefix)}  # noqa: SIM118
+    return load_tensors(path, prefix=prefix, what="calibration")[0]
 
 
 def _shard(out: Path, layer: int, suffix: str) -> Path:
@@ -95,7 +96,7 @@ def _write_combined(out: Path, header: dict[str, Any], layers: list[int], suffix
         summary = json.loads(_shard(out, i, ".json").read_text())
         summaries[str(i)] = summary if not suffix else summary["global_stage"]
     sub.mkdir(exist_ok=True)
-    _atomic_tensors(sub / "params.safetensors", tensors)
+    save_tensors(sub / "params.safetensors", tensors)
     kernel = header["kernel"] if not suffix else "global"
     _atomic_json(sub / "summary.json", {**header, "kernel": kernel, "layers": summaries})
 
@@ -118,51 +119,58 @@ def calibrate_layers(
     target: Callable[[int], AttentionKernel | None] | None = None,
     progress: bool = True,
     block_bytes: int = 1 << 26,
+    processes: Processes | None = None,
 ) -> dict[str, Any]:
     """Calibrate ``make_kernel(i)`` for every layer i in ``layers`` and write the results to ``out_dir``.
 
     Args:
         make_kernel: ``layer -> AttentionKernel`` (e.g. an OALKernel with that layer's groups).
-        get_layer_qkv: ``layer -> (train, val)`` :class:`QKV`; called only for layers not yet done.
-        layers: layer indices, calibrated in this order.
+        get_layer_qkv: ``layer -> (train, val)`` :class:`QKV`; called only for layers this process calibrates.
+        layers: layer indices, calibrated in this order (each process takes every ``world``-th layer not done).
         out_dir: output directory (layout in the module docstring). An existing directory is resumed if
             its kernel, config and data description match; otherwise ValueError.
         config: protocol options.
         data_description: recorded in run.json / summary.json (e.g. "wikitext-2 train blocks 16-23 / 24-25").
         target: optional ``layer -> target kernel`` (default exact softmax).
-        progress: show rich progress bars (layers, and updates of the current stage).
+        progress: show rich progress bars (layers, and updates of the current stage; process 0 only).
+        processes: this process's rank and the world size (default: one process). Every process must call
+            this function with the same arguments.
 
     Returns:
         The combined summary (the content of summary.json).
     """
     config = CalibrationConfig() if config is None else config
+    processes = Processes() if processes is None else processes
     layers = list(layers)
     if not layers or len(set(layers)) != len(layers) or any(not isinstance(i, int) or i < 0 for i in layers):
         raise ValueError(f"layers: expected distinct layer indices ≥ 0, got {layers!r}")
     out = Path(out_dir)
     first = make_kernel(layers[0])
     header = {"format": FORMAT, "kernel": first.name, "config": config.to_dict(), "data": data_description}
-    _check_run(out, header)
+    if processes.is_main:
+        _check_run(out, header)
+    processes.barrier()
+    if not processes.is_main:
+        _check_run(out, header)
     done = set(_finished(out))
+    processes.barrier()  # every process has read the same finished layers before any new one appears
     for i in layers:
         if i in done:
             _check_finished_layer(out, i, make_kernel(i))
+    mine = processes.shard([i for i in layers if i not in done])
+    skipped = [i for i in layers if i in done]
+    if skipped:
+        log.info("layers %s: already calibrated in %s, skipped", skipped, out)
 
-    if progress:
+    bar = None
+    if progress and processes.is_main:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    else:
-        bar = None
     with bar if bar is not None else nullcontext():
-        layer_task = (
-            bar.add_task("layers", total=len(layers), completed=sum(i in done for i in layers)) if bar else None
-        )
+        layer_task = bar.add_task("layers", total=len(mine)) if bar else None
         update_task = bar.add_task("updates", total=config.max_updates) if bar else None
-        for i in layers:
-            if i in done:
-                log.info("layer %d: already calibrated in %s, skipped", i, out)
-                continue
+        for i in mine:
 
             def on_update(stage: str, n: int, total: int, i: int = i) -> None:
                 bar.update(update_task, description=f"layer {i} {stage}", completed=n, total=total)
@@ -179,23 +187,29 @@ def calibrate_layers(
                 block_bytes=block_bytes,
             )
             _write_layer(out, i, result)
-            done.add(i)
-            finished = sorted(done)
-            _write_combined(out, header, finished, "", out)
-            if result.global_stage is not None:
-                _write_combined(out, header, finished, ".global", out / "global")
+            if processes.is_main:  # a killed run still leaves the layers finished so far combined
+                _write_all_combined(out, header)
             log.info("layer %d: mean val MSE %.3e in %.1f s", i, float(result.val_mse.mean()), result.seconds)
             if bar:
                 bar.advance(layer_task)
-    if not (out / "summary.json").exists():
-        _write_combined(out, header, sorted(done), "", out)
+    processes.barrier()
+    if processes.is_main:  # from the verified layer files: also repairs damaged combined files of a finished run
+        _write_all_combined(out, header)
+    processes.barrier()
     return json.loads((out / "summary.json").read_text())
 
 
+def _write_all_combined(out: Path, header: dict[str, Any]) -> None:
+    finished = _finished(out)
+    _write_combined(out, header, finished, "", out)
+    if any(_shard(out, i, ".global.safetensors").is_file() for i in finished):
+        _write_combined(out, header, finished, ".global", out / "global")
+
+
 def _write_layer(out: Path, layer: int, result: LayerResult) -> None:
-    _atomic_tensors(_shard(out, layer, ".safetensors"), result.state)
+    save_tensors(_shard(out, layer, ".safetensors"), result.state)
     if result.global_stage is not None:
-        _atomic_tensors(_shard(out, layer, ".global.safetensors"), result.global_stage.state)
+        save_tensors(_shard(out, layer, ".global.safetensors"), result.global_stage.state)
     _atomic_json(_shard(out, layer, ".json"), result.summary())
 
 

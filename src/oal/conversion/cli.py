@@ -25,6 +25,13 @@ _OPTION_OF = {
     "temperature": "--temperature",
     "sizes": "--sizes",
     "methods": "--methods",
+    "steps": "--steps",
+    "warmup": "--warmup",
+    "batch": "--batch",
+    "threads": "--threads",
+    "seed": "--seed",
+    "dtype": "--dtype",
+    "device": "--device",
 }
 
 
@@ -151,7 +158,7 @@ def bench_decode(
 ) -> None:
     """Decode latency and memory against the context length, original against converted model; each point in a
     fresh process."""
-    from ..bench.decode import HEADER, QUICK_SIZES, DecodeConfig, run_sweep, table_rows
+    from ..bench.decode import HEADER, QUICK_SIZES, DecodeConfig, check_buildable, run_sweep, table_rows
 
     try:
         config = DecodeConfig(
@@ -172,6 +179,9 @@ def bench_decode(
         )
         n_list = list(QUICK_SIZES) if quick else [int(x) for x in sizes.split(",") if x.strip()]
         method_list = tuple(m.strip() for m in methods.split(",") if m.strip())
+        if not n_list or any(n < 1 for n in n_list):
+            raise ValueError(f"sizes: expected positive integers, got {sizes!r}")
+        check_buildable(config, method_list)
     except (ValueError, FileNotFoundError) as err:
         raise _bad(err) from err
     console = Console(stderr=True)
@@ -198,7 +208,8 @@ def bench_decode(
 def register(app: typer.Typer) -> None:
     """Add `oal convert`, `oal generate` and `oal bench decode` (to the `bench` group of `oal.bench.cli`)."""
     from ..bench.cli import bench_app
+    from ..errors import cli_errors
 
-    app.command("convert")(convert)
-    app.command("generate")(generate)
-    bench_app.command("decode")(bench_decode)
+    app.command("convert")(cli_errors(convert))
+    app.command("generate")(cli_errors(generate))
+    bench_app.command("decode")(cli_errors(bench_decode))

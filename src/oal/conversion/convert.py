@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from .. import __version__
 from ..grouping import GroupAssignment
-from ..io import read_json
+from ..io import load_tensors, read_json
 from ..kernels import KERNELS, AttentionKernel, build_kernel, kernel_config, kernel_from_config
 from ..kernels.registry import SINK_WINDOW_KERNELS
 from ..models import AttentionSpec, attach_kernel, attached_kernels, attention_spec
@@ -191,15 +191,11 @@ def read_calibrated(path: str | os.PathLike) -> tuple[dict[int, dict[str, torch.
     if not file.is_file():
         raise FileNotFoundError(f"calibrated: no such file: {file}")
     by_layer: dict[int, dict[str, torch.Tensor]] = {}
-    try:
-        with safe_open(str(file), framework="pt") as fh:
-            for key in fh.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                m = _CALIBRATED_TENSOR.fullmatch(key)
-                if m is None:
-                    raise ValueError(f"calibrated: {file} holds the key {key!r}; expected keys 'layers.<i>.<name>'")
-                by_layer.setdefault(int(m[1]), {})[m[2]] = fh.get_tensor(key)
-    except SafetensorError as e:
-        raise ValueError(f"calibrated: {file} is not a readable safetensors file ({e})") from None
+    for key, tensor in load_tensors(file, what="calibrated")[0].items():  # checksums verified
+        m = _CALIBRATED_TENSOR.fullmatch(key)
+        if m is None:
+            raise ValueError(f"calibrated: {file} holds the key {key!r}; expected keys 'layers.<i>.<name>'")
+        by_layer.setdefault(int(m[1]), {})[m[2]] = tensor
     if not by_layer:
         raise ValueError(f"calibrated: {file} holds no tensors")
     summary_file = file.with_name("summary.json")

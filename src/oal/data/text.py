@@ -58,16 +58,17 @@ def wikitext_file(data_dir: str | os.PathLike, split: str) -> Path:
     return Path(data_dir).expanduser() / "wikitext-2-raw" / f"wiki.{check_split(split)}.raw"
 
 
-def read_wikitext_rows(path: str | os.PathLike) -> list[str]:
-    """The rows of a raw WikiText file exactly as the Hub dataset has them (see the module docstring)."""
+def read_wikitext_rows(path: str | os.PathLike, *, name: str = "path") -> list[str]:
+    """The rows of a raw WikiText file exactly as the Hub dataset has them (see the module docstring); errors
+    name the argument ``name`` the file came from."""
     path = Path(path)
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.readlines()
     except UnicodeDecodeError as e:
-        raise ValueError(f"path: {path} is not valid UTF-8 ({e.reason} at byte {e.start})") from e
+        raise ValueError(f"{name}: {path} is not valid UTF-8 ({e.reason} at byte {e.start})") from e
     if not any(line.strip() for line in lines):
-        raise ValueError(f"path: {path} is empty (no non-blank line)")
+        raise ValueError(f"{name}: {path} is empty (no non-blank line)")
     return [line if line.strip() else "" for line in lines]
 
 
@@ -75,7 +76,7 @@ def _from_local(data_dir: Path, split: str) -> Text:
     path = wikitext_file(data_dir, split)
     if not path.is_file():
         raise FileNotFoundError(f"data_dir: no WikiText-2 raw {split!r} split at {path}")
-    rows = read_wikitext_rows(path)
+    rows = read_wikitext_rows(path, name="data_dir")
     return Text("\n\n".join(rows), rows, f"local:{path}")
 
 

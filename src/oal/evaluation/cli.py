@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ..errors import cli_errors
 from .loading import load_model_and_tokenizer
 from .perplexity import check_block_args
 from .runner import ALL_TASKS, PAPER_BLOCK_LEN, check_tasks, evaluate
@@ -49,6 +50,7 @@ def register(app: typer.Typer) -> None:
     """Add ``oal eval`` to ``app``."""
 
     @app.command("eval")
+    @cli_errors
     def eval_command(
         model: Annotated[
             str, typer.Option("--model", help="Model directory (e.g. a converted OAL model), Hub id or smollm2-135m.")
@@ -81,13 +83,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Evaluate a causal LM per App. F.3: WikiText PPL and zero-shot PIQA / HellaSwag / ARC-E."""
         console = Console()
-        try:
-            task_list = check_tasks([t.strip() for t in tasks.split(",") if t.strip()])
-            torch_dtype = parse_dtype(dtype)
-            check_limit(limit)
-            check_block_args(block_len, max_blocks)
-        except ValueError as e:
-            raise typer.BadParameter(str(e)) from e
+        task_list = check_tasks([t.strip() for t in tasks.split(",") if t.strip()])
+        torch_dtype = parse_dtype(dtype)
+        check_limit(limit)
+        check_block_args(block_len, max_blocks)
+        if batch_size < 1:
+            raise ValueError(f"batch_size: expected an int >= 1, got {batch_size}")
         if source not in SOURCES:
             raise typer.BadParameter(f"expected one of {SOURCES}, got {source!r}", param_hint="--source")
         dev = device or str(default_device())

@@ -75,6 +75,9 @@ def evaluate(
     tasks = check_tasks(tasks)
     check_limit(limit)
     check_block_args(block_len, max_blocks)
+    for name, value in (("batch_size", batch_size), ("ppl_batch_size", ppl_batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
     device = torch.device(device) if device is not None else model_device(model)
     results: dict[str, dict] = {}
     n_samples: dict[str, dict] = {}

@@ -8,14 +8,17 @@ the later layers and the LM head are never run) and written as one file per bloc
     <root>/<model>/<split>_N<block_len>/block_0016.safetensors   keys ``layers.{i}.{q,k,v,o}``; metadata: token hash,
                                                                  layers held
 
-Files are written atomically (:func:`oal.io.atomic_write`), so an interrupted capture resumes at the first missing
+Files are written atomically (:func:`oal.io.save_tensors`), so an interrupted capture resumes at the first missing
 block. A block file is only reused if its token hash equals the block being asked for, and a cache directory
 only if its manifest (model source, text source, tokenizer, block length, dtype) matches: a mismatch raises
 ValueError instead of silently reusing other data. Asking for layers a block file lacks recaptures that block
-with the union of its layers.
+with the union of its layers. Each file records the sha256 of every tensor, checked when the tensor is read: a
+damaged or altered block file raises :class:`oal.io.IntegrityError` (delete it to recapture) instead of feeding
+wrong states to a run.
 
 Readers stream one layer at a time across blocks (:meth:`QKVCache.layer`), which is what calibration consumes;
-safetensors reads only the requested tensors.
+safetensors reads only the requested tensors. Several processes (:class:`oal.distributed.Processes`) share the
+blocks to capture round robin, so no block is captured twice.
 
 Sizes (fp32): SmolLM2-135M (Hq 9, Hkv 3, d 64), N = 4096: 25 MB per layer and block (q 9.4, k 3.1, v 3.1, o 9.4).
 """
@@ -34,10 +37,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError, safe_open
 
-from ..io import atomic_write, read_json, write_json
+from ..distributed import Processes
+from ..io import IntegrityError, load_tensors, read_json, save_tensors, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +74,8 @@ class CacheKey:
 
 @dataclass
 class CaptureStats:
-    """What :meth:`QKVCache.ensure` did: blocks captured (forward passes run) and reused, wall and process CPU
-    seconds of the forwards (including writing the files)."""
+    """What :meth:`QKVCache.ensure` did: blocks captured (forward passes run, by all processes together) and
+    reused, wall and process CPU seconds of this process's forwards (including writing the files)."""
 
     captured: list[int]
     reused: list[int]
@@ -166,8 +169,14 @@ class QKVCache:
         path = self.path(block)
         if not path.exists():
             return None
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                meta = fh.metadata() or {}
+        except SafetensorError as e:
+            raise IntegrityError(
+                f"cache: {path} is not a readable safetensors file, truncated or altered ({e}); delete it to "
+                "recapture the block"
+            ) from None
         if meta.get("format") != FORMAT or meta.get("tokens_sha256") != token_hash(self.ids[block]):
             raise ValueError(
                 f"cache: {path} holds other tokens than block {block} of {self.key.text_source} "
@@ -181,9 +190,18 @@ class QKVCache:
         return [b for b in blocks if not need <= (self.stored_layers(b) or set())]
 
     def ensure(
-        self, model: torch.nn.Module, blocks: Sequence[int], layers: Sequence[int], *, progress: bool = True
+        self,
+        model: torch.nn.Module,
+        blocks: Sequence[int],
+        layers: Sequence[int],
+        *,
+        progress: bool = True,
+        processes: Processes | None = None,
     ) -> CaptureStats:
-        """Capture every block of ``blocks`` that lacks one of ``layers`` (one forward per block)."""
+        """Capture every block of ``blocks`` that lacks one of ``layers`` (one forward per block). With several
+        ``processes`` (all calling this with the same arguments) each captures every ``world``-th missing block
+        and all return once every block is written."""
+        processes = Processes() if processes is None else processes
         blocks, layers = list(blocks), sorted(set(layers))
         if not layers:
             raise ValueError("layers: expected at least one layer")
@@ -191,6 +209,14 @@ class QKVCache:
         stats = CaptureStats(captured=todo, reused=[b for b in blocks if b not in todo])
         if not todo:
             return stats
+        processes.barrier()  # every process has listed the same missing blocks before any is written
+        self._capture(model, processes.shard(todo), layers, stats, progress=progress and processes.is_main)
+        processes.barrier()
+        return stats
+
+    def _capture(
+        self, model: torch.nn.Module, todo: list[int], layers: list[int], stats: CaptureStats, *, progress: bool
+    ) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         bar = Progress(
@@ -211,7 +237,6 @@ class QKVCache:
                 bar.advance(task)
         stats.wall_s, stats.cpu_s = time.perf_counter() - t0, time.process_time() - c0
         logger.info("captured %d blocks in %.1f s wall, %.1f s CPU", len(todo), stats.wall_s, stats.cpu_s)
-        return stats
 
     def _write(self, block: int, states: dict[int, LayerStates]) -> None:
         tensors = {}
@@ -228,7 +253,7 @@ class QKVCache:
             "layers": ",".join(str(i) for i in sorted(states)),
             "scale": repr(scales.pop()),
         }
-        atomic_write(self.path(block), lambda p: save_file(tensors, str(p), metadata=meta))
+        save_tensors(self.path(block), tensors, metadata=meta)
 
     def layer(self, layer: int, blocks: Sequence[int], *, outputs: bool = False) -> LayerStates:
         """States of ``layer`` for ``blocks``, stacked on a leading sequence dimension (fp32, CPU)."""
@@ -239,10 +264,10 @@ class QKVCache:
             stored = self.stored_layers(b)
             if stored is None or layer not in stored:
                 raise ValueError(f"blocks: block {b} has no captured layer {layer} in {self.dir}; run ensure() first")
-            with safe_open(str(self.path(b)), framework="pt") as fh:
-                for n in names:
-                    parts[n].append(fh.get_tensor(f"layers.{layer}.{n}"))
-                scale = float(fh.metadata()["scale"])
+            tensors, meta = load_tensors(self.path(b), [f"layers.{layer}.{n}" for n in names], what="cache")
+            for n in names:
+                parts[n].append(tensors[f"layers.{layer}.{n}"])
+            scale = float(meta["scale"])
         if not parts["q"]:
             raise ValueError("blocks: expected at least one block")
         stacked = {n: torch.stack(parts[n]) if parts[n] else None for n in parts}

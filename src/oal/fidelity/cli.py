@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ..errors import cli_errors
 from ..io import provenance, write_json, write_text
 from .capture import format_indices, open_cache, parse_indices
 from .data import (
@@ -40,6 +41,21 @@ def _load(model_name: str):
     model = load_model(model_name)
     tok = load_tokenizer(model_name)
     return model, tok, attention_spec(model)
+
+
+def _check_sizes(**values: int | None) -> None:
+    """Sizes given on the command line must be positive (None: not given)."""
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise typer.BadParameter(
+                f"expected a positive integer, got {value!r}", param_hint=f"--{name.replace('_', '-')}"
+            )
+
+
+def _check_layers(layers: list[int], num_layers: int) -> None:
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise typer.BadParameter(f"expected layers in [0, {num_layers}), got {bad}", param_hint="--layers")
 
 
 def _machine_state() -> dict:
@@ -91,8 +107,13 @@ def run_calibrate(
     ``<oal dir>/global`` / a ``global`` run); its factor initialises L and β starts from
     :meth:`SinkWindowKernel.match_beta_` on the training blocks. Without it, the registry's initial values
     (Taylor factor, β = 0) are the initialisation.
+
+    Under ``torchrun``/``accelerate launch`` with several processes (:func:`oal.distributed.current_processes`)
+    the blocks to capture and the layers to calibrate are shared out round robin; process 0 writes the combined
+    results (docs/distributed.md). The parameters are the same as with one process.
     """
     from ..calibration import QKV, CalibrationConfig, calibrate_layers, load_calibrated
+    from ..distributed import current_processes
     from ..kernels import SinkWindowKernel
     from .methods import Geometry, build, check_name, has_trainable, init_sink_window_from, load_groups, needs_groups
 
@@ -101,18 +122,19 @@ def run_calibrate(
         raise typer.BadParameter("softmax is the reference; it has nothing to calibrate", param_hint="--kernel")
     if init_from is not None and "+" not in kernel:
         raise typer.BadParameter("only sink/window kernels take --init-from", param_hint="--init-from")
+    _check_sizes(seq_len=seq_len, threads=threads)
     if threads is not None:
         torch.set_num_threads(threads)
     train_blocks = list(TRAIN_BLOCKS if train_blocks is None else train_blocks)
     val_blocks = list(VAL_BLOCKS if val_blocks is None else val_blocks)
     config = CalibrationConfig.from_dict({**CalibrationConfig().to_dict(), "seed": seed, **(config_overrides or {})})
     start_state = _machine_state()
+    processes = current_processes()
+    say = console.print if processes.is_main else (lambda *_a, **_k: None)
 
     model, tok, spec = _load(model_name)
     geom = Geometry(spec.num_heads, spec.num_kv_heads, spec.head_dim)
-    bad = [i for i in layers if not 0 <= i < spec.num_layers]
-    if bad:
-        raise typer.BadParameter(f"expected layers in [0, {spec.num_layers}), got {bad}", param_hint="--layers")
+    _check_layers(layers, spec.num_layers)
     groups = None
     if needs_groups(kernel):
         if groups_path is None:
@@ -125,12 +147,15 @@ def run_calibrate(
     qkv = open_cache(cache, model_name, tok, split, seq_len, data_dir=data_dir, model_source=str(model.oal_source))
     check_enough_blocks(qkv.ids.shape[0], train_blocks + val_blocks, split, seq_len)
     fit = FitData(split, qkv.key.text_source, seq_len, tuple(train_blocks), tuple(val_blocks))
-    console.print(f"[bold]{kernel}[/] on layers {format_indices(layers)}; {fit.describe()}")
+    say(
+        f"[bold]{kernel}[/] on layers {format_indices(layers)}; {fit.describe()}"
+        + (f"; process {processes.rank} of {processes.world}" if processes.world > 1 else "")
+    )
 
     with _Clock() as capture_clock:
-        capture = qkv.ensure(model, train_blocks + val_blocks, layers, progress=progress)
+        capture = qkv.ensure(model, train_blocks + val_blocks, layers, progress=progress, processes=processes)
     del model
-    console.print(
+    say(
         f"capture: {len(capture.captured)} blocks captured ({capture.wall_s:.1f} s wall, {capture.cpu_s:.1f} s CPU), "
         f"{len(capture.reused)} reused from {qkv.dir}"
     )
@@ -163,6 +188,7 @@ def run_calibrate(
             config=config,
             data_description=fit.describe(),
             progress=progress,
+            processes=processes,
         )
     per_layer = {
         i: {
@@ -189,11 +215,14 @@ def run_calibrate(
             "fit": fit_clock.to_dict(),
             "total_wall_s": round(capture_clock.wall + fit_clock.wall, 2),
             "note": "fit times exclude layers already calibrated in a previous run (resumed); capture times "
-            "cover only blocks captured now",
+            "cover only blocks captured now; with several processes, times are process 0's",
         },
         "machine": {"start": start_state, "end": _machine_state()},
+        "processes": processes.world,
         "per_layer": per_layer,
     }
+    if not processes.is_main:
+        return result
     write_json(out / "calibrate.json", result)
     write_text(out / "calibrate.md", _calibrate_markdown(result))
     console.print(
@@ -297,6 +326,7 @@ def run_fidelity(
         needs_groups,
     )
 
+    _check_sizes(seq_len=seq_len, threads=threads)
     if threads is not None:
         torch.set_num_threads(threads)
     layers = [4, 12, 20] if layers is None else layers
@@ -305,9 +335,7 @@ def run_fidelity(
     start_state = _machine_state()
     model, tok, spec = _load(model_name)
     geom = Geometry(spec.num_heads, spec.num_kv_heads, spec.head_dim)
-    bad = [i for i in layers if not 0 <= i < spec.num_layers]
-    if bad:
-        raise typer.BadParameter(f"expected layers in [0, {spec.num_layers}), got {bad}", param_hint="--layers")
+    _check_layers(layers, spec.num_layers)
     groups = None if groups_path is None else load_groups(groups_path, num_heads=spec.num_heads, head_dim=spec.head_dim)
 
     kernels: dict[str, dict[int, object]] = {}
@@ -500,6 +528,9 @@ def run_intervene(
     from .intervention import evaluate_intervention, gaussian_groups, subset_mask
     from .methods import STOCHASTIC, Geometry, build, calibration_info, check_disjoint, load_groups
 
+    _check_sizes(seq_len=seq_len, positions=positions, batch=batch, threads=threads)
+    if controls < 0:
+        raise typer.BadParameter(f"expected an integer >= 0, got {controls}", param_hint="--controls")
     if threads is not None:
         torch.set_num_threads(threads)
     layers = [4, 12, 20] if layers is None else layers
@@ -515,6 +546,7 @@ def run_intervene(
     start_state = _machine_state()
     model, tok, spec_ = _load(model_name)
     geom = Geometry(spec_.num_heads, spec_.num_kv_heads, spec_.head_dim)
+    _check_layers(layers, spec_.num_layers)
     groups = load_groups(groups_path, num_heads=spec_.num_heads, head_dim=spec_.head_dim)
     missing = [i for i in layers if i not in groups.layers]
     if missing:
@@ -693,6 +725,7 @@ def _indices(text: str, name: str) -> list[int]:
 
 def register(app: typer.Typer) -> None:
     @app.command()
+    @cli_errors
     def calibrate(
         kernel: str = typer.Option(
             ...,
@@ -744,6 +777,7 @@ def register(app: typer.Typer) -> None:
         )
 
     @app.command()
+    @cli_errors
     def fidelity(
         method: list[str] = typer.Option(
             list(DEFAULT_METHODS),
@@ -787,6 +821,7 @@ def register(app: typer.Typer) -> None:
         )
 
     @app.command()
+    @cli_errors
     def intervene(
         groups: Path = typer.Option(..., help="groups.json from `oal group` (S_h = non-bulk groups)."),
         method: list[str] = typer.Option(

@@ -43,8 +43,13 @@ def has_trainable(kernel: AttentionKernel) -> bool:
 
 
 def load_groups(path: str | os.PathLike, *, num_heads: int, head_dim: int) -> GroupAssignment:
-    """The group file of ``oal group`` for a model with this geometry."""
-    return GroupAssignment.load(Path(path), num_heads=num_heads, head_dim=head_dim)
+    """The group file of ``oal group`` for a model with this geometry (errors start with ``groups:``)."""
+    try:
+        return GroupAssignment.load(Path(path), num_heads=num_heads, head_dim=head_dim)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"groups: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"groups: {e}") from None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ..errors import cli_errors
 from .config import PRESETS
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,9 @@ def prepare_model(
 
 
 def run_with_progress(model, tokenizer, config, out: Path, *, data_dir: Path | None = None) -> dict:
-    """:func:`oal.training.finetune` with a rich progress bar showing loss, lr and the latest validation NLL."""
+    """:func:`oal.training.finetune` with a rich progress bar showing loss, lr and the latest validation NLL
+    (process 0 only when launched with several processes)."""
+    from ..distributed import launched_rank
     from .trainer import finetune
 
     columns = (
@@ -72,7 +75,7 @@ def run_with_progress(model, tokenizer, config, out: Path, *, data_dir: Path | N
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=console) as progress:
+    with Progress(*columns, console=console, disable=launched_rank() != 0) as progress:
         task = progress.add_task("updates", total=config.updates, status="")
         last_val: dict[str, float] = {}
 
@@ -89,6 +92,7 @@ def run_with_progress(model, tokenizer, config, out: Path, *, data_dir: Path | N
 
 def register(app: typer.Typer) -> None:
     @app.command("finetune")
+    @cli_errors
     def finetune_cmd(
         model: str = typer.Option("smollm2-135m", help="Model name, directory or Hub id (or a converted model)."),
         preset_name: str = typer.Option("cpu", "--preset", help=f"Budget preset: {', '.join(PRESETS)}."),
@@ -104,13 +108,16 @@ def register(app: typer.Typer) -> None:
         val_every: int | None = typer.Option(None, help="Override: validate every K updates."),
         val_blocks: int | None = typer.Option(None, help="Override: number of validation blocks."),
         checkpoint_every: int | None = typer.Option(None, help="Also checkpoint every C updates."),
+        grad_accum: int | None = typer.Option(
+            None, help="Blocks per process and update (gradient accumulation; global batch = processes x this)."
+        ),
         seed: int | None = typer.Option(None, help="Override the training seed (42)."),
         bf16: bool = typer.Option(False, "--bf16", help="bf16 autocast (accelerate mixed precision)."),
         threads: int | None = typer.Option(None, help="torch CPU threads (1 is often faster on a loaded box)."),
         data_dir: Path | None = typer.Option(None, help="Data directory (default: $OAL_DATA_DIR)."),
     ) -> None:
         """LoRA + kernel-parameter adaptation of App. F.2 on the WikiText-2 valid split (last blocks held out)."""
-        from .checkpoint import CheckpointError
+        from ..distributed import launched_rank
         from .config import preset
 
         if threads is not None:
@@ -121,27 +128,24 @@ def register(app: typer.Typer) -> None:
             "val_every": val_every,
             "val_blocks": val_blocks,
             "checkpoint_every": checkpoint_every,
+            "grad_accum": grad_accum,
             "seed": seed,
             "mixed_precision": "bf16" if bf16 else None,
         }
-        try:
-            config = preset(preset_name, **{k: v for k, v in overrides.items() if v is not None})
-            model_, tokenizer = prepare_model(
-                model,
-                kernel=kernel,
-                layers=layers,
-                groups=groups,
-                calibrated=calibrated,
-                num_random_groups=random_groups_,
-                kernel_seed=kernel_seed,
-            )
-        except ValueError as err:
-            raise typer.BadParameter(str(err)) from err
-        try:
-            summary = run_with_progress(model_, tokenizer, config, out, data_dir=data_dir)
-        except CheckpointError as err:
-            console.print(f"[red]checkpoint problem:[/red] {err}")
-            raise typer.Exit(1) from err
+        # bad input and damaged checkpoints end in one error line (cli_errors)
+        config = preset(preset_name, **{k: v for k, v in overrides.items() if v is not None})
+        model_, tokenizer = prepare_model(
+            model,
+            kernel=kernel,
+            layers=layers,
+            groups=groups,
+            calibrated=calibrated,
+            num_random_groups=random_groups_,
+            kernel_seed=kernel_seed,
+        )
+        summary = run_with_progress(model_, tokenizer, config, out, data_dir=data_dir)
+        if launched_rank() != 0:
+            return
         table = Table(title=f"finetune → {out}")
         for col in ("best update", "val NLL", "val PPL", "updates", "train s", "layers converted"):
             table.add_column(col)

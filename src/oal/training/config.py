@@ -36,6 +36,10 @@ class FinetuneConfig:
     grad-norm clip 1.0, batch 1 per process without accumulation, seed 42, validation NLL on ``val_blocks`` fixed
     blocks every ``val_every`` updates (and after the last), best checkpoint by validation NLL.
 
+    ``grad_accum``: blocks each process reads per update (gradient accumulation; the paper: 1). The global batch
+    is ``processes × grad_accum``, so one process with ``grad_accum=P`` reproduces a P-process run (same blocks,
+    same dropout masks; equal up to floating-point summation order).
+
     ``checkpoint_every``: resumable checkpoints every that many updates (None: at validation points only; the last
     update is always checkpointed). ``data_source``: where the text comes from (:func:`oal.data.load_text`).
     ``mixed_precision``: ``"no"`` (fp32) or ``"bf16"`` autocast through accelerate.
@@ -46,6 +50,7 @@ class FinetuneConfig:
     val_every: int = 128
     val_blocks: int = 32
     checkpoint_every: int | None = None
+    grad_accum: int = 1
     lora_rank: int = 8
     lora_alpha: float = 16.0
     lora_dropout: float = 0.05
@@ -63,7 +68,7 @@ class FinetuneConfig:
     preset: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("updates", "block_len", "val_every", "val_blocks", "lora_rank"):
+        for name in ("updates", "block_len", "val_every", "val_blocks", "lora_rank", "grad_accum"):
             _positive_int(name, getattr(self, name))
         if self.checkpoint_every is not None:
             _positive_int("checkpoint_every", self.checkpoint_every)
@@ -124,9 +129,12 @@ class FinetuneConfig:
         return cls(**d)
 
     def protocol(self) -> dict[str, Any]:
-        """Everything that determines the training result (``preset`` is only a label): compared on resume."""
+        """Everything that determines the training result (``preset`` is only a label): compared on resume.
+        ``grad_accum`` is left out at its default 1, so checkpoints written before it existed still resume."""
         d = self.to_dict()
         d.pop("preset")
+        if d["grad_accum"] == 1:
+            d.pop("grad_accum")
         return d
 
 

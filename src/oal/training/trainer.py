@@ -14,9 +14,12 @@ against the run's identity) and ends with exactly the result an uninterrupted ru
 data order is a fixed function of the seed, dropout is reseeded before every update, and parameters, AdamW and
 scheduler states are restored bit for bit.
 
-The loop runs unchanged under ``accelerate launch``: process r of P trains on block ``order[s, r]`` at update s
-(global batch P), gradients are averaged by accelerate's DDP wrapper, validation blocks are shared out and their
-NLL sums reduced, and only the main process writes files.
+The loop runs unchanged under ``accelerate launch`` or ``torchrun`` (docs/distributed.md): with A =
+``config.grad_accum``, process r of P trains on blocks ``order[s, r·A : (r+1)·A]`` at update s (global batch P·A),
+gradients are averaged by accelerate's DDP wrapper (all-reduced once per update), validation blocks are shared out
+and their NLL sums reduced, and only the main process writes files. The dropout masks of a block depend on its
+slot ``r·A + j`` in the global batch, not on the process, so one process with ``grad_accum=P`` follows the same
+trajectory as P processes.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +42,7 @@ from accelerate.utils import set_seed
 from peft import PeftModel
 from torch import nn
 
+from ..distributed import launched_world_size
 from ..io import provenance, write_json, write_text
 from ..models import attached_kernels
 from .checkpoint import CheckpointError, latest_checkpoint, load_training_state, save_training_state
@@ -79,10 +84,11 @@ def _sha(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def dropout_seed(seed: int, step: int, rank: int) -> int:
-    """The RNG seed for update ``step`` (0-based) on process ``rank``: LoRA dropout masks are a fixed function of
-    (seed, update, process), independent of what ran before, which makes resuming exact."""
-    digest = hashlib.sha256(f"oal.finetune:{seed}:{step}:{rank}".encode()).digest()
+def dropout_seed(seed: int, step: int, slot: int) -> int:
+    """The RNG seed for update ``step`` (0-based) and ``slot`` (the block's position in the global batch, the
+    process index without accumulation): LoRA dropout masks are a fixed function of (seed, update, slot),
+    independent of what ran before, which makes resuming exact."""
+    digest = hashlib.sha256(f"oal.finetune:{seed}:{step}:{slot}".encode()).digest()
     return int.from_bytes(digest[:8], "little") % (2**63)
 
 
@@ -165,17 +171,25 @@ def finetune(
             f"accelerator: mixed precision {acc.mixed_precision!r} differs from config.mixed_precision "
             f"{config.mixed_precision!r}"
         )
+    launched = launched_world_size()
+    if acc.num_processes != launched:
+        # e.g. torchrun on a machine without GPUs and without ACCELERATE_USE_CPU: every process would train alone
+        # and all of them would write the same run directory
+        raise ValueError(
+            f"accelerator: the launcher started {launched} processes but accelerate joined {acc.num_processes}; "
+            "on CPUs set ACCELERATE_USE_CPU=1 (docs/distributed.md)"
+        )
     if config.mixed_precision == "bf16" and acc.device.type == "cpu":
         logger.warning("bf16 autocast on a CPU: without native bf16 matmuls it is several times slower than fp32")
     out = Path(out_dir)
-    rank, world = acc.process_index, acc.num_processes
+    rank, world, accum = acc.process_index, acc.num_processes, config.grad_accum
 
     kernels = attached_kernels(model)
     fingerprint = model_fingerprint(model)
     set_seed(config.seed)  # LoRA A initialisation
     peft_model = apply_lora(model, config)
     params = trainable_parameters(peft_model)
-    order = training_order(data.train.shape[0], config.updates, config.seed, world)
+    order = training_order(data.train.shape[0], config.updates, config.seed, world * accum)
     identity = {
         "protocol": config.protocol(),
         # the token hashes identify the data; the source label may name a path that moved between restarts
@@ -229,11 +243,17 @@ def finetune(
     segment_start = time.perf_counter()
     for step in range(state["step"], config.updates):
         t0 = time.perf_counter()
-        ids = data.train[int(order[step, rank])][None].to(acc.device)
-        torch.manual_seed(dropout_seed(config.seed, step, rank))
         train_model.train()
-        loss = train_model(input_ids=ids, labels=ids, use_cache=False).loss
-        acc.backward(loss)
+        loss = torch.zeros((), device=acc.device)
+        for j in range(accum):
+            slot = rank * accum + j
+            ids = data.train[int(order[step, slot])][None].to(acc.device)
+            torch.manual_seed(dropout_seed(config.seed, step, slot))
+            # DDP all-reduces the gradients once, in the last micro-step's backward
+            with acc.no_sync(train_model) if j < accum - 1 else nullcontext():
+                micro = train_model(input_ids=ids, labels=ids, use_cache=False).loss / accum
+                acc.backward(micro)
+            loss += micro.detach()
         grad_norm = acc.clip_grad_norm_(list(params.values()), config.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -293,7 +313,7 @@ def finetune(
     n_kernel = sum(p.numel() for name, p in params.items() if is_kernel_parameter(name))
     summary = {
         "config": config.to_dict(),
-        "data": {**data.description, "order_sha256": identity["order_sha256"], "global_batch": world},
+        "data": {**data.description, "order_sha256": identity["order_sha256"], "global_batch": world * accum},
         "model": {
             "name_or_path": str(getattr(getattr(model, "config", None), "_name_or_path", "")),
             "fingerprint": fingerprint,
@@ -304,7 +324,7 @@ def finetune(
         "best": state["best"],
         "final_val": state["val_log"][-1],
         "updates": config.updates,
-        "train_tokens": config.updates * world * config.block_len,
+        "train_tokens": config.updates * world * accum * config.block_len,
         "train_seconds": state["train_seconds"],
         "resumed_at": state["resumed_at"],
         "num_processes": world,

@@ -1,0 +1,110 @@
+"""Two CPU processes under `accelerate launch` (gloo), on the tiny world:
+
+* `oal calibrate`: blocks and layers shared out, one params.safetensors gathered by process 0, resuming a run a
+  single process began: the parameters are IDENTICAL to a one-process run (each layer's draws depend only on
+  (seed, layer), never on the rank);
+* `oal finetune`: DDP with global batch 2 against one process with ``--grad-accum 2`` (the same blocks and
+  dropout masks): losses, gradient norms and validation NLL within 1e-5 relative, final LoRA and kernel
+  parameters within 1e-6 (they differ only in floating-point summation order, if at all).
+
+`accelerate launch --cpu --num_processes 2` starts ONE process (its CPU mode is a plain launch, or mpirun with
+--mpirun_hostfile); two CPU processes need the multi-process launcher, ``--multi_gpu``, with
+``ACCELERATE_USE_CPU=1`` so that the processes form a gloo group on the CPU (docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from reliability_world import OAL, N, free_port, small_llama, subprocess_env
+from safetensors.torch import load_file
+
+
+def accelerate_launch(tmp_path, processes: int = 2) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), "-m", "oal"]  # fmt: skip
+
+
+def _run(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _without_times(obj):
+    if isinstance(obj, dict):
+        return {k: _without_times(v) for k, v in obj.items() if k not in ("seconds", "timings", "time")}
+    if isinstance(obj, list):
+        return [_without_times(v) for v in obj]
+    return obj
+
+
+@pytest.mark.slow
+def test_two_process_calibration_equals_one_process(world, tmp_path):
+    env = subprocess_env(world, ACCELERATE_USE_CPU="1", HF_HOME=str(tmp_path / "hf"))
+    args = ["calibrate", "--kernel", "oal", "--groups", str(world["groups"]), "--model", str(world["model"]),
+            "--seq-len", str(N), "--data", str(world["data"]), "--threads", "1", "--max-updates", "60",
+            "--patience", "30", "--train-pool", "32", "--val-positions", "16"]  # fmt: skip
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run([*OAL, *args, "--layers", "0-2", "--out", str(one), "--cache", str(tmp_path / "qkv1")], env)
+    # process 0 of an earlier single-process run finished layer 0 only; two processes resume and share 1 and 2
+    _run([*OAL, *args, "--layers", "0", "--out", str(two), "--cache", str(tmp_path / "qkv2")], env)
+    proc = _run([*accelerate_launch(tmp_path), *args, "--layers", "0-2", "--out", str(two), "--cache",
+                 str(tmp_path / "qkv3")], env)  # fmt: skip
+    for rel in ("params.safetensors", "global/params.safetensors"):
+        a, b = load_file(one / rel), load_file(two / rel)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
+    sa, sb = (_without_times(json.loads((d / "summary.json").read_text())) for d in (one, two))
+    assert sa == sb
+    record = json.loads((two / "calibrate.json").read_text())
+    assert record["processes"] == 2 and record["timings"]["capture"]["captured"] == list(range(16, 26))
+    assert sorted(p.name for p in (tmp_path / "qkv3").rglob("block_*.safetensors")) == [
+        f"block_{b:04d}.safetensors" for b in range(16, 26)
+    ]
+    assert proc.stdout.count("calibrated oal on 3 layers") == 1  # process 0 reports, the other stays quiet
+
+
+@pytest.mark.slow
+def test_two_process_finetune_matches_one_process_with_accumulation(world, tmp_path):
+    env = subprocess_env(world, ACCELERATE_USE_CPU="1", HF_HOME=str(tmp_path / "hf"))
+    args = ["finetune", "--model", str(world["model"]), "--preset", "smoke", "--kernel", "oal", "--random-groups",
+            "3", "--layers", "1-2", "--updates", "6", "--block-len", "32", "--val-every", "3", "--threads", "1",
+            "--data-dir", str(world["data"])]  # fmt: skip
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run([*OAL, *args, "--grad-accum", "2", "--out", str(one)], env)
+    _run([*accelerate_launch(tmp_path), *args, "--out", str(two)], env)
+    s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+    assert (s1["num_processes"], s2["num_processes"]) == (1, 2)
+    assert s1["data"]["global_batch"] == s2["data"]["global_batch"] == 2
+    l1, l2 = ([json.loads(line) for line in (d / "train_log.jsonl").open()] for d in (one, two))
+    assert [r["blocks"] for r in l1] == [r["blocks"] for r in l2]
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(
+            torch.tensor([r[key] for r in l1]), torch.tensor([r[key] for r in l2]), rtol=1e-5, atol=0
+        )
+    v1, v2 = ([json.loads(line)["nll"] for line in (d / "val.jsonl").open()] for d in (one, two))
+    torch.testing.assert_close(torch.tensor(v1), torch.tensor(v2), rtol=1e-5, atol=0)
+    p1, p2 = (load_file(max((d / "checkpoints").iterdir()) / "trainable.safetensors") for d in (one, two))
+    assert p1.keys() == p2.keys()
+    for k in p1:
+        torch.testing.assert_close(p1[k], p2[k], rtol=0, atol=1e-6)
+    diff = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
+    print(f"max |Δparameter| between 2 processes and 1 process with accumulation: {diff:.3g}")
+
+
+def test_finetune_refuses_processes_that_formed_no_group(tmp_path, monkeypatch):
+    """torchrun on CPUs without ACCELERATE_USE_CPU: accelerate sees one process per process; training alone in
+    each would write one run directory from several processes. It is refused before anything is written."""
+    from oal.training import FinetuneConfig, FinetuneData, finetune
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    config = FinetuneConfig(updates=1, block_len=16, val_every=1, val_blocks=1)
+    with pytest.raises(ValueError, match="started 2 processes but accelerate joined 1.*ACCELERATE_USE_CPU"):
+        finetune(small_llama(), config, tmp_path / "run", data=FinetuneData.from_blocks(ids, 1, source="random"))
+    assert not (tmp_path / "run").exists()
