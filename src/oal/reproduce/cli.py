@@ -147,6 +147,9 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(str(e)) from None
         try:
             data = run.run()
+        except (ValueError, FileNotFoundError) as e:
+            console.print(f"[red]Error:[/red] {e}")
+            raise typer.Exit(1) from None
         except ReproduceConflict as e:
             console.print(f"[red]Error:[/red] {e}")
             raise typer.Exit(1) from None

@@ -202,6 +202,10 @@ class Reproduction:
                 f"analyze_layer, analyze_head: expected a layer < {spec.num_layers} and a head < {spec.num_heads}, "
                 f"got {p.analyze_layer}, {p.analyze_head}"
             )
+        from ..data import load_text
+
+        for split in ("valid", "test"):  # a bad data folder fails here, before run.json is written
+            load_text(split, data_dir=self.data_dir)
         self._open_run()
         stages = self.stages()
         for stage in stages:  # refuse before doing any work
