@@ -68,3 +68,53 @@ def test_finetune_command_runs_and_resumes(tmp_path, model_dir, data_dir):
 def test_usage_errors(tmp_path, model_dir, extra, message):
     result = CliRunner().invoke(make_app(), ["finetune", "--model", str(model_dir), "--out", str(tmp_path), *extra])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_eval_and_generate_load_a_finetune_run(tmp_path, model_dir, data_dir):
+    """`oal eval --model RUN` and `oal generate --model RUN` load the recorded backbone, kernels and merged adapter."""
+    from oal.evaluation import evaluate, load_model_and_tokenizer
+    from oal.models import load_model, load_tokenizer
+    from oal.training import load_finetuned
+
+    out = tmp_path / "run"
+    args = ["finetune", "--model", str(model_dir), "--preset", "smoke", "--out", str(out), "--kernel", "oal"]
+    args += ["--layers", "1-2", "--random-groups", "3", "--updates", "2", "--block-len", "32", "--threads", "1"]
+    result = CliRunner().invoke(make_app(), [*args, "--data-dir", str(data_dir)])
+    assert result.exit_code == 0, result.output
+    info = json.loads((out / "best" / "info.json").read_text())
+    assert info["base_model"] == str(model_dir)
+
+    net, _ = load_model_and_tokenizer(out, device="cpu")
+    reference = load_finetuned(load_model(model_dir), out, merge=True)
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(net(input_ids=ids).logits, reference(input_ids=ids).logits)
+        plain = load_model(model_dir)(input_ids=ids).logits
+    assert not torch.allclose(net(input_ids=ids).logits, plain)  # the adapter and kernels were applied
+
+    report = tmp_path / "eval.json"
+    eval_args = ["eval", "--model", str(out / "best"), "--tasks", "wikitext", "--block-len", "32"]
+    eval_args += ["--max-blocks", "2", "--data", str(data_dir), "--device", "cpu", "--out", str(report)]
+    result = CliRunner().invoke(make_app(), eval_args)
+    assert result.exit_code == 0, result.output
+    ppl = json.loads(report.read_text())["results"]["wikitext"]["perplexity,none"]
+    expected = evaluate(
+        reference,
+        load_tokenizer(model_dir),
+        ["wikitext"],
+        block_len=32,
+        max_blocks=2,
+        data_dir=data_dir,
+        progress=False,
+    )
+    assert ppl == pytest.approx(expected["results"]["wikitext"]["perplexity,none"], rel=1e-6)
+
+    result = CliRunner().invoke(
+        make_app(), ["generate", "--model", str(out), "--prompt", "the", "--max-new-tokens", "3", "--threads", "1"]
+    )
+    assert result.exit_code == 0, result.output
+
+    result = CliRunner().invoke(
+        make_app(), ["eval", "--model", str(model_dir), "--base-model", "x", "--tasks", "wikitext"]
+    )
+    assert result.exit_code != 0 and "base_model" in result.output

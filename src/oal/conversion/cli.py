@@ -95,7 +95,9 @@ def convert(
 
 
 def generate(
-    model: Annotated[str, typer.Option("--model", help="Converted model directory (or any model name).")],
+    model: Annotated[
+        str, typer.Option("--model", help="Converted model directory, an `oal finetune` run, or any model name.")
+    ],
     prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.")],
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens to generate at most.")] = 64,
     temperature: Annotated[float, typer.Option("--temperature", help="0: greedy; > 0: sampling.")] = 0.0,
@@ -107,7 +109,7 @@ def generate(
     and the speed."""
     import torch
 
-    from ..models import load_model, load_tokenizer
+    from ..evaluation.loading import load_model_and_tokenizer
     from .generate import generate_text
 
     if max_new_tokens < 1:
@@ -119,8 +121,7 @@ def generate(
     console = Console(stderr=True)
     try:
         with console.status(f"loading {model}"):
-            lm = load_model(model, device=device)
-            tokenizer = load_tokenizer(model)
+            lm, tokenizer = load_model_and_tokenizer(model, device=device)
         result = generate_text(lm, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     except (ValueError, FileNotFoundError, OSError) as err:
         raise _bad(err) from err

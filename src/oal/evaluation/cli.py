@@ -53,8 +53,16 @@ def register(app: typer.Typer) -> None:
     @cli_errors
     def eval_command(
         model: Annotated[
-            str, typer.Option("--model", help="Model directory (e.g. a converted OAL model), Hub id or smollm2-135m.")
+            str,
+            typer.Option(
+                "--model",
+                help="Model directory (e.g. a converted OAL model), Hub id, smollm2-135m, or an `oal finetune` run.",
+            ),
         ] = "smollm2-135m",
+        base_model: Annotated[
+            str | None,
+            typer.Option("--base-model", help="With a fine-tuning run: the backbone (default: the one it recorded)."),
+        ] = None,
         tasks: Annotated[str, typer.Option("--tasks", help=f"Comma-separated subset of {','.join(ALL_TASKS)}.")] = (
             ",".join(ALL_TASKS)
         ),
@@ -92,7 +100,7 @@ def register(app: typer.Typer) -> None:
         if source not in SOURCES:
             raise typer.BadParameter(f"expected one of {SOURCES}, got {source!r}", param_hint="--source")
         dev = device or str(default_device())
-        net, tokenizer = load_model_and_tokenizer(model, dtype=torch_dtype, device=dev)
+        net, tokenizer = load_model_and_tokenizer(model, dtype=torch_dtype, device=dev, base_model=base_model)
         results = evaluate(
             net,
             tokenizer,

@@ -191,3 +191,23 @@ def load_training_state(path: str | os.PathLike) -> TrainingState:
         )
     except Exception as e:  # verified bytes that still do not parse: written by an incompatible version
         raise CheckpointError(f"{path}: checkpoint files could not be read ({type(e).__name__}: {e})") from e
+
+
+BEST_KIND = "finetuned"
+
+
+def resolve_finetuned_dir(path: str | os.PathLike) -> Path:
+    """A run directory means its ``best/``; otherwise ``path`` itself."""
+    path = Path(path)
+    return path / "best" if (path / "best" / MANIFEST).is_file() else path
+
+
+def is_finetuned_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a fine-tuning run directory or its ``best/`` export (judged by the manifest's kind)."""
+    manifest = resolve_finetuned_dir(path) / MANIFEST
+    if not manifest.is_file():
+        return False
+    try:
+        return read_json(manifest, what="checkpoint manifest").get("kind") == BEST_KIND
+    except (ValueError, AttributeError):
+        return False

@@ -7,7 +7,8 @@
   OAL's groups), keys ``layers.{i}.{name}``;
 * ``kernels.json``: ``{"layers": {i: kernel_config}}`` (:func:`oal.kernels.registry.kernel_config`), enough to
   rebuild the kernels on the plain backbone;
-* ``info.json``: update, validation NLL/PPL, protocol and data of the run;
+* ``info.json``: update, validation NLL/PPL, protocol and data of the run, and ``base_model`` (the name or
+  directory the backbone was loaded from, used by :func:`load_finetuned_model`);
 * ``manifest.json``: sha256 of every file, verified by :func:`load_finetuned`.
 """
 
@@ -18,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -25,10 +27,14 @@ from torch import nn
 from ..io import read_json
 from ..kernels.base import AttentionKernel
 from ..kernels.registry import kernel_config, kernel_from_config
-from ..models import attach_kernel, attached_kernels
-from .checkpoint import MANIFEST, verify_checked_dir, write_checked_dir
-
-BEST_KIND = "finetuned"
+from ..models import attach_kernel, attached_kernels, load_model, load_tokenizer
+from .checkpoint import (
+    BEST_KIND,
+    CheckpointError,
+    resolve_finetuned_dir,
+    verify_checked_dir,
+    write_checked_dir,
+)
 
 
 def _canonical(config: dict[str, Any]) -> Any:
@@ -60,12 +66,6 @@ def export_finetuned(
         (tmp / "info.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
 
     return write_checked_dir(target, write, kind=BEST_KIND)
-
-
-def resolve_finetuned_dir(path: str | os.PathLike) -> Path:
-    """A run directory means its ``best/``; otherwise ``path`` itself."""
-    path = Path(path)
-    return path / "best" if (path / "best" / MANIFEST).is_file() else path
 
 
 def load_finetuned(model: nn.Module, path: str | os.PathLike, *, merge: bool = False) -> nn.Module:
@@ -100,3 +100,29 @@ def load_finetuned(model: nn.Module, path: str | os.PathLike, *, merge: bool = F
             kernel.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
     peft_model = PeftModel.from_pretrained(model, path / "adapter")
     return peft_model.merge_and_unload() if merge else peft_model
+
+
+def load_finetuned_model(
+    path: str | os.PathLike,
+    *,
+    base_model: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+):
+    """Load a fine-tuned result as a plain model: its backbone, kernels and merged LoRA adapter, plus the tokenizer.
+
+    ``base_model`` (default: the ``base_model`` recorded in ``info.json``) is loaded with
+    :func:`oal.models.load_model`; the adapter is merged in fp32 before the cast to ``dtype``. Returns
+    ``(model, tokenizer)`` with the model in eval mode on ``device``.
+    """
+    path = resolve_finetuned_dir(path)
+    verify_checked_dir(path, kind=BEST_KIND)
+    if base_model is None:
+        base_model = read_json(path / "info.json", what="fine-tuning info").get("base_model") or None
+        if base_model is None:
+            raise CheckpointError(
+                f"{path}: info.json does not record the base model (written by an older oal); pass it explicitly "
+                "(--base-model, e.g. smollm2-135m)"
+            )
+    model = load_finetuned(load_model(base_model), path, merge=True)
+    return model.to(device=device, dtype=dtype).eval(), load_tokenizer(base_model)

@@ -186,6 +186,8 @@ def finetune(
 
     kernels = attached_kernels(model)
     fingerprint = model_fingerprint(model)
+    # what `oal eval --model <run>` loads the adapter onto (a name, a directory or a Hub id)
+    base_model = str(getattr(model.config, "_name_or_path", "") or "")
     set_seed(config.seed)  # LoRA A initialisation
     peft_model = apply_lora(model, config)
     params = trainable_parameters(peft_model)
@@ -238,7 +240,13 @@ def finetune(
     acc.wait_for_everyone()
 
     def info(best: dict[str, Any]) -> dict[str, Any]:
-        return {**best, "config": config.to_dict(), "data": data.description, "model_fingerprint": fingerprint}
+        return {
+            **best,
+            "config": config.to_dict(),
+            "data": data.description,
+            "model_fingerprint": fingerprint,
+            "base_model": base_model,
+        }
 
     segment_start = time.perf_counter()
     for step in range(state["step"], config.updates):
