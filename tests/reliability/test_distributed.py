@@ -15,8 +15,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -95,6 +98,64 @@ def test_two_process_finetune_matches_one_process_with_accumulation(world, tmp_p
         torch.testing.assert_close(p1[k], p2[k], rtol=0, atol=1e-6)
     diff = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
     print(f"max |Δparameter| between 2 processes and 1 process with accumulation: {diff:.3g}")
+
+
+@pytest.mark.slow
+def test_two_process_fsdp_finetune_matches_one_process_and_resumes(world, tmp_path):
+    """`--fsdp` (torch FSDP2 on gloo: every decoder block sharded over 2 processes) follows the one-process
+    trajectory with the same global batch, writes whole tensors, and resumes from its gathered checkpoint."""
+    env = subprocess_env(world, ACCELERATE_USE_CPU="1", HF_HOME=str(tmp_path / "hf"))
+    args = ["finetune", "--model", str(world["model"]), "--preset", "smoke", "--kernel", "oal", "--random-groups",
+            "3", "--layers", "1-2", "--updates", "6", "--block-len", "32", "--val-every", "3", "--val-blocks", "3",
+            "--threads", "1", "--data-dir", str(world["data"])]  # fmt: skip
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run([*OAL, *args, "--grad-accum", "2", "--out", str(one)], env)
+    _run([*accelerate_launch(tmp_path), *args, "--fsdp", "--out", str(two)], env)
+    s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+    assert (s1["num_processes"], s2["num_processes"]) == (1, 2) and s2["data"]["global_batch"] == 2
+    assert s1["model"]["trainable_parameters"] == s2["model"]["trainable_parameters"]
+    l1, l2 = ([json.loads(line) for line in (d / "train_log.jsonl").open()] for d in (one, two))
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(
+            torch.tensor([r[key] for r in l1]), torch.tensor([r[key] for r in l2]), rtol=1e-5, atol=0
+        )
+    v1, v2 = ([json.loads(line)["nll"] for line in (d / "val.jsonl").open()] for d in (one, two))
+    torch.testing.assert_close(torch.tensor(v1), torch.tensor(v2), rtol=1e-5, atol=0)
+
+    def final(d):
+        ckpt = max((d / "checkpoints").iterdir())
+        return load_file(ckpt / "trainable.safetensors"), torch.load(ckpt / "optimizer.pt", weights_only=True)
+
+    (p1, _), (p2, opt2) = final(one), final(two)
+    assert p1.keys() == p2.keys()
+    for k in p1:  # whole tensors, not one process's shard
+        torch.testing.assert_close(p1[k], p2[k], rtol=0, atol=1e-6)
+    assert len(opt2["state"]) == len(p2)  # every parameter's AdamW moments, gathered
+    b1, b2 = (load_file(d / "best" / "kernels.safetensors") for d in (one, two))
+    assert b1.keys() == b2.keys() and all(torch.allclose(b1[k], b2[k], atol=1e-6) for k in b1)
+
+    # resume: SIGKILL the whole launch after its first update, rerun, and land on the uninterrupted run's result
+    three = tmp_path / "three"
+    log = three / "train_log.jsonl"
+    tail = [*args, "--fsdp", "--checkpoint-every", "1", "--out", str(three)]
+    proc = subprocess.Popen([*accelerate_launch(tmp_path), *tail], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not (log.is_file() and log.read_text().splitlines()):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no update in 600 s"
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    killed_at = len(log.read_text().splitlines())
+    _run([*accelerate_launch(tmp_path), *tail], env)
+    resumed = json.loads((three / "summary.json").read_text())["resumed_at"]
+    assert killed_at < 6 and resumed and resumed[0] >= 1, (killed_at, resumed)
+    p3 = final(three)[0]
+    for k in p2:
+        torch.testing.assert_close(p3[k], p2[k], rtol=0, atol=1e-6)
 
 
 def test_finetune_refuses_processes_that_formed_no_group(tmp_path, monkeypatch):

@@ -231,3 +231,8 @@ def test_two_process_data_parallel_resume(tmp_path):
     assert summary["num_processes"] == 2 and summary["data"]["global_batch"] == 2 and summary["resumed_at"] == [4]
     blocks = [r["blocks"] for r in jsonl(tmp_path / "ref" / "train_log.jsonl")]
     assert all(len(set(b)) == 2 for b in blocks) and len({x for b in blocks for x in b}) == 12
+
+
+def test_fsdp_needs_several_processes(tmp_path, converted, data, config):
+    with pytest.raises(ValueError, match="fsdp: sharding needs at least 2 processes, got 1"):
+        finetune(converted(), config(), tmp_path / "run", data=data(), fsdp=True)

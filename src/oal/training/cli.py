@@ -61,7 +61,7 @@ def prepare_model(
     return model, tokenizer
 
 
-def run_with_progress(model, tokenizer, config, out: Path, *, data_dir: Path | None = None) -> dict:
+def run_with_progress(model, tokenizer, config, out: Path, *, data_dir: Path | None = None, fsdp: bool = False) -> dict:
     """:func:`oal.training.finetune` with a rich progress bar showing loss, lr and the latest validation NLL
     (process 0 only when launched with several processes)."""
     from ..distributed import launched_rank
@@ -87,7 +87,7 @@ def run_with_progress(model, tokenizer, config, out: Path, *, data_dir: Path | N
                 status += f" val {last_val['nll']:.3f}"
             progress.update(task, completed=record["step"], status=status)
 
-        return finetune(model, config, out, tokenizer=tokenizer, data_dir=data_dir, on_step=on_step).summary
+        return finetune(model, config, out, tokenizer=tokenizer, data_dir=data_dir, on_step=on_step, fsdp=fsdp).summary
 
 
 def register(app: typer.Typer) -> None:
@@ -113,6 +113,9 @@ def register(app: typer.Typer) -> None:
         ),
         seed: int | None = typer.Option(None, help="Override the training seed (42)."),
         bf16: bool = typer.Option(False, "--bf16", help="bf16 autocast (accelerate mixed precision)."),
+        fsdp: bool = typer.Option(
+            False, "--fsdp", help="Shard the model over the launched processes (torch FSDP2) instead of DDP."
+        ),
         threads: int | None = typer.Option(None, help="torch CPU threads (1 is often faster on a loaded box)."),
         data_dir: Path | None = typer.Option(None, help="Data directory (default: $OAL_DATA_DIR)."),
     ) -> None:
@@ -143,7 +146,7 @@ def register(app: typer.Typer) -> None:
             num_random_groups=random_groups_,
             kernel_seed=kernel_seed,
         )
-        summary = run_with_progress(model_, tokenizer, config, out, data_dir=data_dir)
+        summary = run_with_progress(model_, tokenizer, config, out, data_dir=data_dir, fsdp=fsdp)
         if launched_rank() != 0:
             return
         table = Table(title=f"finetune → {out}")

@@ -35,6 +35,7 @@ from .checkpoint import (
     verify_checked_dir,
     write_checked_dir,
 )
+from .lora import full_tensor
 
 
 def _canonical(config: dict[str, Any]) -> Any:
@@ -46,22 +47,37 @@ def kernel_configs(kernels: dict[int, AttentionKernel]) -> dict[str, Any]:
     return {str(layer): _canonical(kernel_config(k)) for layer, k in sorted(kernels.items())}
 
 
+def export_state(model: PeftModel, kernels: dict[int, AttentionKernel]) -> dict[str, dict[str, torch.Tensor]]:
+    """The tensors :func:`export_finetuned` writes, as whole CPU tensors: ``{"adapter": {parameter name: tensor},
+    "kernels": {"layers.{i}.{name}": tensor}}``. Under FSDP this gathers the shards: call it on every process."""
+    adapter = {
+        name: full_tensor(p.detach()).to("cpu", copy=True) for name, p in model.named_parameters() if "lora_" in name
+    }
+    tensors = {
+        f"layers.{layer}.{name}": full_tensor(t.detach()).to("cpu", copy=True).contiguous()
+        for layer, kernel in sorted(kernels.items())
+        for name, t in kernel.state_dict().items()
+    }
+    return {"adapter": adapter, "kernels": tensors}
+
+
 def export_finetuned(
-    model: PeftModel, kernels: dict[int, AttentionKernel], target: str | os.PathLike, info: dict[str, Any]
+    model: PeftModel,
+    kernels: dict[int, AttentionKernel],
+    target: str | os.PathLike,
+    info: dict[str, Any],
+    state: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Write the model's current adapter and kernels to ``target`` (atomically, with a manifest)."""
+    """Write the model's current adapter and kernels to ``target`` (atomically, with a manifest). ``state``: their
+    tensors from :func:`export_state` (gathered on every process beforehand under FSDP; default: gathered here)."""
     if not isinstance(model, PeftModel):
         raise ValueError(f"model: expected a PeftModel, got {type(model).__name__}")
+    state = export_state(model, kernels) if state is None else state
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp / "adapter")
-        tensors = {
-            f"layers.{layer}.{name}": t.detach().to("cpu", copy=True).contiguous()
-            for layer, kernel in sorted(kernels.items())
-            for name, t in kernel.state_dict().items()
-        }
-        if tensors:
-            save_file(tensors, tmp / "kernels.safetensors")
+        model.save_pretrained(tmp / "adapter", state_dict=state["adapter"])
+        if state["kernels"]:
+            save_file(state["kernels"], tmp / "kernels.safetensors")
         (tmp / "kernels.json").write_text(json.dumps({"layers": kernel_configs(kernels)}) + "\n", encoding="utf-8")
         (tmp / "info.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
 

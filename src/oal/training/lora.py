@@ -16,6 +16,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..models import attached_kernels, get_attention_modules
 from ..models.hooks import KERNEL_ATTR
@@ -75,13 +76,21 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or the whole tensor behind an FSDP2 shard (a DTensor). Gathering is a collective: under FSDP
+    every process must make the same calls in the same order."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Detached CPU copies of the trainable parameters (LoRA and kernel), keyed by parameter name."""
-    return {name: p.detach().to("cpu", copy=True) for name, p in trainable_parameters(model).items()}
+    """Detached CPU copies of the whole trainable parameters (LoRA and kernel), keyed by parameter name (FSDP
+    shards are gathered: call it on every process)."""
+    return {name: full_tensor(p.detach()).to("cpu", copy=True) for name, p in trainable_parameters(model).items()}
 
 
 def load_trainable_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``state`` into the trainable parameters; the names must be exactly the trainable set."""
+    """Copy ``state`` (whole tensors) into the trainable parameters; the names must be exactly the trainable set.
+    Under FSDP every process loads the same ``state`` and keeps its shard."""
     params = trainable_parameters(model)
     missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
     if missing or unexpected:
@@ -93,4 +102,7 @@ def load_trainable_state(model: nn.Module, state: Mapping[str, torch.Tensor]) ->
         for name, p in params.items():
             if tuple(state[name].shape) != tuple(p.shape):
                 raise ValueError(f"state: {name} has shape {tuple(state[name].shape)}, expected {tuple(p.shape)}")
-            p.copy_(state[name])
+            value = state[name].to(device=p.device, dtype=p.dtype)
+            if isinstance(p, DTensor):  # FSDP2: keep this process's shard of the whole tensor
+                value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+            p.copy_(value)

@@ -20,6 +20,11 @@ gradients are averaged by accelerate's DDP wrapper (all-reduced once per update)
 and their NLL sums reduced, and only the main process writes files. The dropout masks of a block depend on its
 slot ``r·A + j`` in the global batch, not on the process, so one process with ``grad_accum=P`` follows the same
 trajectory as P processes.
+
+``fsdp=True`` shards the model instead of replicating it (torch's FSDP2, :func:`fsdp_shard`): each decoder block
+is one unit, so a process holds 1/P of the backbone, LoRA and kernel parameters and of the AdamW state. Gradients
+are reduce-scattered (averaged as under DDP); checkpoints and ``best/`` hold whole tensors gathered from the shards,
+in the same files as an unsharded run.
 """
 
 from __future__ import annotations
@@ -38,9 +43,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from peft import PeftModel
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from ..distributed import launched_world_size
 from ..io import provenance, write_json, write_text
@@ -48,8 +54,15 @@ from ..models import attached_kernels
 from .checkpoint import CheckpointError, latest_checkpoint, load_training_state, save_training_state
 from .config import FinetuneConfig
 from .data import FinetuneData, prepare_data, tensor_sha256, training_order
-from .export import export_finetuned, kernel_configs
-from .lora import apply_lora, is_kernel_parameter, load_trainable_state, trainable_parameters, trainable_state
+from .export import export_finetuned, export_state, kernel_configs
+from .lora import (
+    apply_lora,
+    full_tensor,
+    is_kernel_parameter,
+    load_trainable_state,
+    trainable_parameters,
+    trainable_state,
+)
 from .schedule import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
@@ -92,17 +105,38 @@ def dropout_seed(seed: int, step: int, slot: int) -> int:
     return int.from_bytes(digest[:8], "little") % (2**63)
 
 
+def fsdp_shard(model: nn.Module, blocks: list[nn.Module], device: torch.device) -> None:
+    """Shard ``model`` in place over the default process group with FSDP2 (``torch.distributed.fsdp.fully_shard``):
+    one unit per decoder block in ``blocks``, the root unit for the rest (embeddings, final norm, LM head). Frozen
+    and trainable parameters of a unit are sharded alike; parameters become DTensors on ``device``'s type."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 @torch.no_grad()
-def validation_nll(model: nn.Module, blocks: torch.Tensor, accelerator: Accelerator) -> tuple[float, int]:
+def validation_nll(
+    model: nn.Module, blocks: torch.Tensor, accelerator: Accelerator, *, lockstep: bool = False
+) -> tuple[float, int]:
     """Mean next-token NLL (nats/token) over ``blocks (V, L)`` and the number of predicted tokens, with the
-    blocks shared out over the processes. Every block contributes its ``L − 1`` predictions."""
+    blocks shared out over the processes. Every block contributes its ``L − 1`` predictions.
+
+    ``lockstep``: every process runs the same number of forwards (a sharded model gathers its parameters in each
+    one, with every process taking part); a process with no block left repeats block 0 and discards the result."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    for i in range(accelerator.process_index, blocks.shape[0], accelerator.num_processes):
-        ids = blocks[i][None].to(accelerator.device)
+    rank, world, count = accelerator.process_index, accelerator.num_processes, blocks.shape[0]
+    rounds = -(-count // world) if lockstep else len(range(rank, count, world))
+    for r in range(rounds):
+        i = rank + r * world
+        ids = blocks[i if i < count else 0][None].to(accelerator.device)
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        n = ids.shape[1] - 1
+        n = ids.shape[1] - 1 if i < count else 0
         total += torch.tensor([loss.double().item() * n, n], dtype=torch.float64, device=accelerator.device)
     total = accelerator.reduce(total, "sum")
     model.train(was_training)
@@ -136,6 +170,7 @@ def finetune(
     data_dir: str | os.PathLike | None = None,
     accelerator: Accelerator | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    fsdp: bool = False,
 ) -> FinetuneResult:
     """Adapt a converted model with LoRA + its kernel parameters (App. F.2), resuming ``out_dir`` if it holds a
     checkpoint of the same run.
@@ -150,6 +185,8 @@ def finetune(
         accelerator: an ``accelerate.Accelerator`` whose mixed precision matches the config (default: a new one).
         on_step: called after every update (on every process) with that update's log record; validation points
             add ``val_nll``. An exception raised here stops the run as a kill would.
+        fsdp: shard the model over the processes (FSDP2, :func:`fsdp_shard`) instead of replicating it (DDP);
+            needs at least 2 processes. accelerate's own FSDP mode is refused: use this instead.
 
     Returns:
         :class:`FinetuneResult` with the best checkpoint's weights loaded into the returned model.
@@ -179,6 +216,13 @@ def finetune(
             f"accelerator: the launcher started {launched} processes but accelerate joined {acc.num_processes}; "
             "on CPUs set ACCELERATE_USE_CPU=1 (docs/distributed.md)"
         )
+    if acc.distributed_type == DistributedType.FSDP:
+        raise ValueError(
+            "accelerator: accelerate's FSDP mode wraps the model its own way; launch with a plain multi-process "
+            "config and pass fsdp=True (`oal finetune --fsdp`), which shards with torch FSDP2 (docs/distributed.md)"
+        )
+    if fsdp and acc.num_processes < 2:
+        raise ValueError(f"fsdp: sharding needs at least 2 processes, got {acc.num_processes}")
     if config.mixed_precision == "bf16" and acc.device.type == "cpu":
         logger.warning("bf16 autocast on a CPU: without native bf16 matmuls it is several times slower than fp32")
     out = Path(out_dir)
@@ -186,10 +230,13 @@ def finetune(
 
     kernels = attached_kernels(model)
     fingerprint = model_fingerprint(model)
+    blocks = list(getattr(model, "model", model).layers) if fsdp else []
     # what `oal eval --model <run>` loads the adapter onto (a name, a directory or a Hub id)
     base_model = str(getattr(model.config, "_name_or_path", "") or "")
     set_seed(config.seed)  # LoRA A initialisation
     peft_model = apply_lora(model, config)
+    if fsdp:
+        fsdp_shard(peft_model, blocks, acc.device)
     params = trainable_parameters(peft_model)
     order = training_order(data.train.shape[0], config.updates, config.seed, world * accum)
     identity = {
@@ -201,12 +248,17 @@ def finetune(
         "model_fingerprint": fingerprint,
         "kernels_sha256": _sha(kernel_configs(kernels)),
         "trainable": sorted(params),
+        **({"fsdp": True} if fsdp else {}),  # sharded optimizer states are saved in another layout
     }
 
-    optimizer = build_optimizer(params.values(), config)
-    scheduler = build_scheduler(optimizer, config)
+    raw_optimizer = build_optimizer(params.values(), config)
+    scheduler = build_scheduler(raw_optimizer, config)
     # The scheduler is stepped here once per global update; accelerate would step it once per process.
-    train_model, optimizer = acc.prepare(peft_model, optimizer)
+    if fsdp:  # already sharded: accelerate must not wrap it in DDP
+        train_model, optimizer, forward_context = peft_model, acc.prepare(raw_optimizer), acc.autocast
+    else:
+        train_model, optimizer = acc.prepare(peft_model, raw_optimizer)
+        forward_context = nullcontext
 
     state: dict[str, Any] = {
         "step": 0,
@@ -226,7 +278,12 @@ def finetune(
                 f"{ckpt}: belongs to a different run ({'; '.join(diff)}); use another output directory"
             )
         load_trainable_state(peft_model, loaded.trainable)
-        optimizer.load_state_dict(loaded.optimizer)
+        if fsdp:
+            set_optimizer_state_dict(
+                peft_model, raw_optimizer, loaded.optimizer, options=StateDictOptions(full_state_dict=True)
+            )
+        else:
+            optimizer.load_state_dict(loaded.optimizer)
         scheduler.load_state_dict(loaded.state["scheduler"])
         state = {k: loaded.state[k] for k in state}
         state["resumed_at"].append(state["step"])
@@ -258,11 +315,11 @@ def finetune(
             ids = data.train[int(order[step, slot])][None].to(acc.device)
             torch.manual_seed(dropout_seed(config.seed, step, slot))
             # DDP all-reduces the gradients once, in the last micro-step's backward
-            with acc.no_sync(train_model) if j < accum - 1 else nullcontext():
+            with acc.no_sync(train_model) if j < accum - 1 and not fsdp else nullcontext(), forward_context():
                 micro = train_model(input_ids=ids, labels=ids, use_cache=False).loss / accum
                 acc.backward(micro)
             loss += micro.detach()
-        grad_norm = acc.clip_grad_norm_(list(params.values()), config.max_grad_norm)
+        grad_norm = full_tensor(acc.clip_grad_norm_(list(params.values()), config.max_grad_norm))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -279,7 +336,8 @@ def finetune(
             raise FloatingPointError(f"update {step + 1}: non-finite loss or gradient norm ({record})")
         if config.is_validation_step(step + 1):
             tv = time.perf_counter()
-            nll, tokens = validation_nll(train_model, data.val, acc)
+            with forward_context():
+                nll, tokens = validation_nll(train_model, data.val, acc, lockstep=fsdp)
             val = {"step": step + 1, "nll": nll, "ppl": math.exp(nll), "tokens": tokens}
             val["time"] = time.perf_counter() - tv
             state["val_log"].append(val)
@@ -287,8 +345,9 @@ def finetune(
             if state["best"] is None or nll < state["best"]["val_nll"]:
                 state["best"] = {"step": step + 1, "val_nll": nll, "val_ppl": math.exp(nll)}
                 best_state = trainable_state(peft_model)
+                exported = export_state(peft_model, kernels)  # every process: gathers FSDP shards
                 if acc.is_main_process:
-                    export_finetuned(peft_model, kernels, out / "best", info(state["best"]))
+                    export_finetuned(peft_model, kernels, out / "best", info(state["best"]), exported)
             if acc.is_main_process:
                 with open(out / "val.jsonl", "a", encoding="utf-8") as f:
                     f.write(json.dumps(val) + "\n")
@@ -298,13 +357,20 @@ def finetune(
             with open(out / "train_log.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
         if config.is_checkpoint_step(step + 1):
+            trainable = trainable_state(peft_model)  # every process: gathers FSDP shards
+            if fsdp:
+                opt_state = get_optimizer_state_dict(
+                    peft_model, raw_optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+                )
+            else:
+                opt_state = optimizer.state_dict()
             if acc.is_main_process:
                 save_training_state(
                     out / CHECKPOINTS,
                     step + 1,
-                    trainable=trainable_state(peft_model),
+                    trainable=trainable,
                     best=best_state,
-                    optimizer=optimizer.state_dict(),
+                    optimizer=opt_state,
                     state={
                         **state,
                         "train_seconds": state["train_seconds"] + time.perf_counter() - segment_start,
@@ -339,8 +405,9 @@ def finetune(
         "mixed_precision": config.mixed_precision,
         "provenance": provenance(device=str(acc.device)),
     }
+    exported = export_state(peft_model, kernels)
     if acc.is_main_process:
-        export_finetuned(peft_model, kernels, out / "best", info(state["best"]))
+        export_finetuned(peft_model, kernels, out / "best", info(state["best"]), exported)
         write_json(out / "summary.json", summary)
     acc.wait_for_everyone()
     return FinetuneResult(peft_model, summary, out)
