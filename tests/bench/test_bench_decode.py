@@ -4,18 +4,18 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny import tiny_causal_lm
 
 from oal.bench.decode import DecodeConfig, markdown, run_point, run_sweep, synthetic_groups
 
 
 @pytest.fixture
 def tiny_dir(tmp_path):
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+    model = tiny_causal_lm(
+        vocab_size=64, num_heads=4, num_kv_heads=2, head_dim=8, layers=4, hidden_size=32, intermediate_size=48,
+        max_position_embeddings=256,
     )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    model.save_pretrained(tmp_path / "tiny")
     return tmp_path / "tiny"
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+import tiny
 from transformers import PreTrainedTokenizerFast
 
 from oal.data import text as text_module
@@ -20,11 +20,7 @@ def _isolated(tmp_path, monkeypatch):
 @pytest.fixture
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """A lossless byte-level tokenizer (one token per byte, no merges) that needs no files."""
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=backend)
+    return tiny.byte_tokenizer()
 
 
 @pytest.fixture

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_causal_lm
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 CORPUS = [
     "Question: How do I boil water?\nAnswer: Put it in a pot and heat it.",
@@ -33,15 +34,16 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_model(vocab_size: int, seed: int = 0) -> LlamaForCausalLM:
-    """2 layers, hidden 32, GQA 4:2; a large init range so the next-token distributions are far from uniform."""
+    """2 layers, hidden 32, GQA 4:2 of head_dim 8; a large init range so the next-token distributions are far from
+    uniform. Seeds torch's global generator (not a forked one)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    return tiny_causal_lm(
         vocab_size=vocab_size,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        layers=2,
         hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
         initializer_range=0.3,
         tie_word_embeddings=False,
@@ -49,7 +51,6 @@ def make_model(vocab_size: int, seed: int = 0) -> LlamaForCausalLM:
         bos_token_id=None,
         eos_token_id=None,
     )
-    return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="session")

@@ -6,12 +6,12 @@ another geometry, a chi file, and broken inputs (empty, non-UTF-8, missing)."""
 from __future__ import annotations
 
 import os
-import random
 import socket
 import sys
 from pathlib import Path
 
 import torch
+from tiny import byte_tokenizer, tiny_causal_lm, word_text
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
@@ -21,39 +21,12 @@ N = 64  # block length of the tiny runs
 CALIBRATE_FAST = ["--max-updates", "12", "--patience", "6", "--train-pool", "32", "--val-positions", "16"]
 
 
-def byte_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=backend)
-
-
-def _text(seed: int, n_bytes: int) -> str:
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "music", "north", "the", "of", "and", "a"]
-    lines, size = [], 0
-    while size < n_bytes:
-        line = " " + " ".join(rng.choice(words) for _ in range(rng.randint(5, 15))) + " . \n"
-        lines.append(line)
-        size += len(line)
-    return "".join(lines)
-
-
 def small_llama():
     """A random 2-layer Llama in memory (vocab 64, 4 query heads of 8 dims, 2 KV heads)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-        )  # fmt: skip
-        return LlamaForCausalLM(config).eval()
+    return tiny_causal_lm(
+        vocab_size=64, num_heads=4, num_kv_heads=2, head_dim=8, layers=2, hidden_size=32, intermediate_size=32,
+        max_position_embeddings=64, seed=0,
+    )  # fmt: skip
 
 
 def _task_files(root: Path) -> None:
@@ -81,29 +54,18 @@ def _task_files(root: Path) -> None:
 
 def make_env(root: Path) -> dict[str, Path]:
     """Write the tiny world under ``root`` (see the module docstring) and return its paths."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     from oal.grouping import group_heads
 
     root.mkdir(parents=True, exist_ok=True)
-    with torch.random.fork_rng():
+    with torch.random.fork_rng():  # one seeded stream: the GPT-2 draws after the Llama
         torch.manual_seed(0)
-        llama = LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=256,
-                hidden_size=48,
-                intermediate_size=64,
-                num_hidden_layers=LAYERS,
-                num_attention_heads=HEADS,
-                num_key_value_heads=KV_HEADS,
-                head_dim=HEAD_DIM,
-                max_position_embeddings=512,
-            )
-        ).eval()
-        with torch.no_grad():  # larger logits than the default init, so kernels differ visibly from softmax
-            for layer in llama.model.layers:
-                layer.self_attn.q_proj.weight.mul_(4.0)
-                layer.self_attn.k_proj.weight.mul_(4.0)
+        # qk_gain 4: larger logits than the default init, so kernels differ visibly from softmax
+        llama = tiny_causal_lm(
+            vocab_size=256, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, layers=LAYERS,
+            max_position_embeddings=512, qk_gain=4.0,
+        )  # fmt: skip
         gpt2 = GPT2LMHeadModel(
             GPT2Config(vocab_size=256, n_positions=128, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
         )
@@ -112,8 +74,8 @@ def make_env(root: Path) -> dict[str, Path]:
         model.save_pretrained(paths[key])
         byte_tokenizer().save_pretrained(paths[key])
     (paths["data"] / "wikitext-2-raw").mkdir(parents=True)
-    (paths["data"] / "wikitext-2-raw" / "wiki.valid.raw").write_text(_text(1, 26 * N + 300))
-    (paths["data"] / "wikitext-2-raw" / "wiki.test.raw").write_text(_text(2, 20 * N + 300))
+    (paths["data"] / "wikitext-2-raw" / "wiki.valid.raw").write_text(word_text(1, 26 * N + 300))
+    (paths["data"] / "wikitext-2-raw" / "wiki.test.raw").write_text(word_text(2, 20 * N + 300))
     _task_files(paths["data"])
     for name, content in (("empty_data", b""), ("binary_data", bytes(range(128, 256)) * 40)):
         paths[name] = root / name

@@ -5,13 +5,11 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tiny import byte_tokenizer, tiny_causal_lm, word_text
 
 from oal.reproduce import Reproduction, preset
 
@@ -49,54 +47,28 @@ MICRO = {
 }
 
 
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=backend.id_to_token(0))
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=256,
-            hidden_size=48,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=6,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=512,
-            bos_token_id=None,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        model = LlamaForCausalLM(config).eval()
-        with torch.no_grad():  # larger attention logits, so the kernels differ visibly from softmax
-            for layer in model.model.layers:
-                layer.self_attn.q_proj.weight.mul_(4.0)
-                layer.self_attn.k_proj.weight.mul_(4.0)
-    return model
-
-
-def _text(seed: int, n_bytes: int) -> str:
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "music", "north", "the", "of", "and", "a"]
-    lines, size = [], 0
-    while size < n_bytes:
-        line = " " + " ".join(rng.choice(words) for _ in range(rng.randint(5, 15))) + " . \n"
-        lines.append(line)
-        size += len(line)
-    return "".join(lines)
+def tiny_llama() -> torch.nn.Module:
+    """4 layers, GQA 6:2; qk_gain 4: larger attention logits, so the kernels differ visibly from softmax."""
+    return tiny_causal_lm(
+        vocab_size=256,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=8,
+        layers=4,
+        max_position_embeddings=512,
+        qk_gain=4.0,
+        seed=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
 
 
 def write_data(root: Path) -> Path:
     """The shared data folder's layout with small contents."""
     (root / "wikitext-2-raw").mkdir(parents=True)
-    (root / "wikitext-2-raw" / "wiki.valid.raw").write_text(_text(1, 4000))
-    (root / "wikitext-2-raw" / "wiki.test.raw").write_text(_text(2, 3000))
+    (root / "wikitext-2-raw" / "wiki.valid.raw").write_text(word_text(1, 4000))
+    (root / "wikitext-2-raw" / "wiki.test.raw").write_text(word_text(2, 3000))
     (root / "piqa").mkdir()
     piqa = [("boil water", "heat it in a pot", "freeze it"), ("dry hands", "use a towel", "use a river")]
     piqa += [("open a door", "push the stone", "turn the handle")]
@@ -147,7 +119,7 @@ def tiny_setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("reproduce")
     model_dir = root / "tiny-llama"
     tiny_llama().save_pretrained(model_dir)
-    byte_tokenizer().save_pretrained(model_dir)
+    byte_tokenizer(pad=True).save_pretrained(model_dir)
     return {
         "root": root,
         "model": model_dir,

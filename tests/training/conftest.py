@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import tiny
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from oal.kernels.registry import build_kernel
 from oal.models import attach_kernel
@@ -16,24 +16,21 @@ VOCAB = 97
 
 def tiny_converted(
     kernels: dict[int, str] | None = None, *, num_heads: int = 6, num_kv_heads: int = 2, layers: int = 3
-) -> LlamaForCausalLM:
+) -> torch.nn.Module:
     """A random 3-layer Llama (the same weights on every call) with kernels attached: by default OAL with 3 groups
     on layer 1 and DiJiang on layer 2, layer 0 softmax."""
     kernels = {1: "oal", 2: "dijiang"} if kernels is None else kernels
     head_dim = 8
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=256,
-    )
-    with torch.random.fork_rng():
+    with torch.random.fork_rng():  # one seeded stream: the kernels' own draws follow the model's
         torch.manual_seed(1234)
-        model = LlamaForCausalLM(config).eval()
+        model = tiny.tiny_causal_lm(
+            vocab_size=VOCAB,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            layers=layers,
+            max_position_embeddings=256,
+        )
         g = torch.Generator().manual_seed(5)
         for layer, name in kernels.items():
             kw = {}
@@ -87,7 +84,4 @@ def _one_thread():
 @pytest.fixture
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """One token per byte (256 ids), no files needed."""
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    return PreTrainedTokenizerFast(tokenizer_object=backend)
+    return tiny.byte_tokenizer()

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import typer
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny import tiny_causal_lm
 from typer.testing import CliRunner
 
 from oal.cli import app
@@ -20,18 +20,19 @@ def make_app() -> typer.Typer:
 @pytest.fixture
 def model_dir(tmp_path, byte_tokenizer, monkeypatch):
     monkeypatch.setenv("OAL_CACHE_DIR", str(tmp_path / "cache"))
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    torch.manual_seed(0)  # the global generator, not a forked one
+    model = tiny_causal_lm(
         vocab_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        layers=3,
         hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
+        max_position_embeddings=2048,  # LlamaConfig's default
     )
     path = tmp_path / "tiny"
-    LlamaForCausalLM(config).save_pretrained(path)
+    model.save_pretrained(path)
     byte_tokenizer.save_pretrained(path)
     return path
 

@@ -160,7 +160,7 @@ def test_same_block_order_for_every_method(tmp_path, converted, data, config):
 SCRIPT = """
 import sys, torch
 torch.set_num_threads(1)
-sys.path.insert(0, {here!r})
+sys.path[:0] = [{here!r}, {tests!r}]  # conftest, and the tiny module it imports
 from conftest import tiny_converted, tiny_data, tiny_config
 from oal.training import finetune
 finetune(tiny_converted(), tiny_config(updates=24, checkpoint_every=1), sys.argv[1], data=tiny_data(),
@@ -171,7 +171,7 @@ finetune(tiny_converted(), tiny_config(updates=24, checkpoint_every=1), sys.argv
 def test_sigkill_at_a_random_point(tmp_path, converted, data, config):
     """A real SIGKILL of a training process, then a resume: the result equals an uninterrupted run."""
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT.format(here=str(HERE)))
+    script.write_text(SCRIPT.format(here=str(HERE), tests=str(HERE.parent)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, str(script), str(run)], env=env, stdout=subprocess.PIPE, text=True)
@@ -196,7 +196,7 @@ def test_sigkill_at_a_random_point(tmp_path, converted, data, config):
 DP_SCRIPT = """
 import sys, torch
 torch.set_num_threads(1)
-sys.path.insert(0, {here!r})
+sys.path[:0] = [{here!r}, {tests!r}]  # conftest, and the tiny module it imports
 from conftest import tiny_converted, tiny_data, tiny_config
 from oal.training import finetune
 
@@ -214,7 +214,7 @@ def test_two_process_data_parallel_resume(tmp_path):
     """torchrun with 2 CPU processes (what `accelerate launch` runs): distinct blocks per process, global batch 2,
     and an interrupted run resumes to the uninterrupted result."""
     script = tmp_path / "dp.py"
-    script.write_text(DP_SCRIPT.format(here=str(HERE)))
+    script.write_text(DP_SCRIPT.format(here=str(HERE), tests=str(HERE.parent)))
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE)])}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
 
