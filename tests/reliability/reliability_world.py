@@ -123,6 +123,15 @@ def subprocess_env(world: dict[str, Path], **extra: str) -> dict[str, str]:
     return env
 
 
+def without_times(obj):
+    """A JSON-like value with every ``seconds`` / ``timings`` / ``time`` entry removed (they differ run to run)."""
+    if isinstance(obj, dict):
+        return {k: without_times(v) for k, v in obj.items() if k not in ("seconds", "timings", "time")}
+    if isinstance(obj, list):
+        return [without_times(v) for v in obj]
+    return obj
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

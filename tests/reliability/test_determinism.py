@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import torch
-from reliability_world import CALIBRATE_FAST, N
+from reliability_world import CALIBRATE_FAST, N, without_times
 from typer.testing import CliRunner
 
 from oal.cli import app
@@ -17,14 +17,6 @@ from oal.io import load_tensors
 def _invoke(args: list) -> None:
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exit_code == 0, result.output
-
-
-def _without_times(obj):
-    if isinstance(obj, dict):
-        return {k: _without_times(v) for k, v in obj.items() if k not in ("seconds", "timings", "time")}
-    if isinstance(obj, list):
-        return [_without_times(v) for v in obj]
-    return obj
 
 
 def test_calibrate_twice_gives_identical_files(world, tmp_path):
@@ -41,7 +33,7 @@ def test_calibrate_twice_gives_identical_files(world, tmp_path):
     for rel in blocks:  # the captured Q/K/V and outputs too (tensors: the header's metadata order may vary)
         (ta, ma), (tb, mb) = (load_tensors(tmp_path / q / rel) for q in ("qkv0", "qkv1"))
         assert ma == mb and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), rel
-    sa, sb = (_without_times(json.loads((d / "summary.json").read_text())) for d in runs)
+    sa, sb = (without_times(json.loads((d / "summary.json").read_text())) for d in runs)
     assert sa == sb
 
 
@@ -58,5 +50,5 @@ def test_finetune_twice_gives_identical_files(world, tmp_path):
                  (a / "best" / "adapter" / "adapter_model.safetensors",
                   b / "best" / "adapter" / "adapter_model.safetensors")):  # fmt: skip
         assert x.read_bytes() == y.read_bytes(), x
-    la, lb = ([_without_times(json.loads(line)) for line in (d / "train_log.jsonl").open()] for d in runs)
+    la, lb = ([without_times(json.loads(line)) for line in (d / "train_log.jsonl").open()] for d in runs)
     assert la == lb and len(la) == 4

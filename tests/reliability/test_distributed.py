@@ -23,7 +23,7 @@ import time
 
 import pytest
 import torch
-from reliability_world import OAL, N, free_port, small_llama, subprocess_env
+from reliability_world import OAL, N, free_port, small_llama, subprocess_env, without_times
 from safetensors.torch import load_file
 
 
@@ -37,14 +37,6 @@ def _run(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
-
-
-def _without_times(obj):
-    if isinstance(obj, dict):
-        return {k: _without_times(v) for k, v in obj.items() if k not in ("seconds", "timings", "time")}
-    if isinstance(obj, list):
-        return [_without_times(v) for v in obj]
-    return obj
 
 
 @pytest.mark.slow
@@ -62,7 +54,7 @@ def test_two_process_calibration_equals_one_process(world, tmp_path):
     for rel in ("params.safetensors", "global/params.safetensors"):
         a, b = load_file(one / rel), load_file(two / rel)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
-    sa, sb = (_without_times(json.loads((d / "summary.json").read_text())) for d in (one, two))
+    sa, sb = (without_times(json.loads((d / "summary.json").read_text())) for d in (one, two))
     assert sa == sb
     record = json.loads((two / "calibrate.json").read_text())
     assert record["processes"] == 2 and record["timings"]["capture"]["captured"] == list(range(16, 26))
