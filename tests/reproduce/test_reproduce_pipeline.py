@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -113,6 +114,9 @@ def test_missing_output_is_recomputed(reference, tiny_setup, tmp_path):
     assert make_run(tiny_setup, copy).run() == data
     after = _records(copy)
     assert {k for k in before if before[k] != after[k]} == {"evaluate.oal.json", "report.json"}
+    # the report written in the moved directory links to its own figures
+    links = re.findall(r"\]\(([^)]+\.png)\)", (copy / "report.md").read_text())
+    assert len(links) >= 3 and all((copy / link).is_file() for link in links), links
 
 
 def test_other_configuration_is_refused(reference, tiny_setup, tmp_path):

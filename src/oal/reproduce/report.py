@@ -106,6 +106,12 @@ def _rel(path: str | os.PathLike, root: Path) -> str:
     return os.path.relpath(Path(path).resolve(), root.resolve())
 
 
+def _in_run(run: Reproduction, stage: str, recorded: str | os.PathLike) -> Path:
+    """A figure a stage recorded, found in that stage's folder of the run: the recorded path is relative to the
+    directory the stage ran from, and the run directory may have moved since."""
+    return run.out / stage / Path(recorded).name
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.2f}"
 
@@ -141,7 +147,7 @@ def _table2(run: Reproduction) -> list[str]:
         "",
     ]
     for name, fig in fid.get("figures", {}).items():
-        lines.append(f"![{name}]({_rel(fig, run.out)})")
+        lines.append(f"![{name}]({_rel(_in_run(run, 'fidelity', fig), run.out)})")
     return lines
 
 
@@ -150,7 +156,8 @@ def _figures(run: Reproduction) -> list[str]:
     analysis = run.out / "analyze" / "analysis.json"
     if analysis.is_file():
         for name, fig in read_json(analysis, what="analysis.json").get("figures", {}).items():
-            lines.append(f"- analysis, {name.replace('_', ' ')}: [{Path(fig).name}]({_rel(fig, run.out)})")
+            link = _rel(_in_run(run, "analyze", fig), run.out)
+            lines.append(f"- analysis, {name.replace('_', ' ')}: [{Path(fig).name}]({link})")
     for fig in sorted((run.out / "group").glob("*.png")):
         lines.append(f"- grouping: [{fig.name}]({_rel(fig, run.out)})")
     for fig in sorted((run.out / "fidelity").glob("*.png")):
