@@ -8,8 +8,8 @@ Field names carry their stage as a prefix (``analyze_``, ``group_``, ``calib_``,
 
 * ``paper``: §5.2 / App. B, C, F as written: N = 4096 for calibration and fidelity, the App. B calibration
   protocol, F.2's 512 updates × 4096 tokens, full F.3 evaluation sets. Meant for a GPU.
-* ``cpu``: the same calibration length N = 4096 with a smaller calibration budget, the training module's ``cpu``
-  budget for fine-tuning, perplexity on a few 1024-token blocks and the first 200 items of each task.
+* ``cpu``: calibration and fidelity at N = 1024 with 100 Eq. 20 updates, 24 LoRA updates × 512 tokens, perplexity
+  on 4 test blocks of 1024 tokens and the first 100 items of each task (sized below from measurements).
 * ``demo``: minutes on 2 cores, to show the pipeline works: N = 512, a few calibration and fine-tuning updates,
   20 task items. The conversion range stays the model's default. Its numbers mean nothing.
 """
