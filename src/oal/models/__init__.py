@@ -8,6 +8,7 @@ from .architecture import (
     attention_spec,
     exact_attention,
     get_attention_modules,
+    get_decoder_layers,
     num_layers,
     output_projection,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "ensure_smollm2_cache",
     "exact_attention",
     "get_attention_modules",
+    "get_decoder_layers",
     "load_model",
     "load_tokenizer",
     "num_layers",

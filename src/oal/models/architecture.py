@@ -33,18 +33,24 @@ def _is_linear(module: nn.Module | None) -> bool:
     return isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear)
 
 
-def get_attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The ``self_attn`` module of every decoder layer, in layer order (a CausalLM, its base model, or either
-    wrapped by PEFT, whose LoRA layers keep the original linear as ``base_layer``)."""
+def get_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks ``model.model.layers`` (a CausalLM, its base model, or either wrapped by PEFT)."""
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
-    base = getattr(model, "model", model)
-    layers = getattr(base, "layers", None)
+    layers = getattr(getattr(model, "model", model), "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise ValueError(
             f"model: expected a decoder with `model.layers[i].self_attn` (Llama/Qwen2/Mistral style), got "
             f"{type(model).__name__}"
         )
+    return layers
+
+
+def get_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The ``self_attn`` module of every decoder layer, in layer order (a CausalLM, its base model, or either
+    wrapped by PEFT, whose LoRA layers keep the original linear as ``base_layer``)."""
+    layers = get_decoder_layers(model)
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
     modules = []
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)

@@ -35,7 +35,7 @@ from .checkpoint import (
     verify_checked_dir,
     write_checked_dir,
 )
-from .lora import full_tensor
+from .lora import full_tensor, trainable_state
 
 
 def _canonical(config: dict[str, Any]) -> Any:
@@ -47,18 +47,20 @@ def kernel_configs(kernels: dict[int, AttentionKernel]) -> dict[str, Any]:
     return {str(layer): _canonical(kernel_config(k)) for layer, k in sorted(kernels.items())}
 
 
-def export_state(model: PeftModel, kernels: dict[int, AttentionKernel]) -> dict[str, dict[str, torch.Tensor]]:
+def export_state(
+    model: PeftModel, kernels: dict[int, AttentionKernel], trainable: dict[str, torch.Tensor] | None = None
+) -> dict[str, dict[str, torch.Tensor]]:
     """The tensors :func:`export_finetuned` writes, as whole CPU tensors: ``{"adapter": {parameter name: tensor},
-    "kernels": {"layers.{i}.{name}": tensor}}``. Under FSDP this gathers the shards: call it on every process."""
-    adapter = {
-        name: full_tensor(p.detach()).to("cpu", copy=True) for name, p in model.named_parameters() if "lora_" in name
-    }
+    "kernels": {"layers.{i}.{name}": tensor}}``. ``trainable``: the model's current :func:`trainable_state` if the
+    caller already has it (its LoRA tensors are reused). Under FSDP this gathers the shards: call it on every
+    process."""
+    trainable = trainable_state(model) if trainable is None else trainable
     tensors = {
         f"layers.{layer}.{name}": full_tensor(t.detach()).to("cpu", copy=True).contiguous()
         for layer, kernel in sorted(kernels.items())
         for name, t in kernel.state_dict().items()
     }
-    return {"adapter": adapter, "kernels": tensors}
+    return {"adapter": {name: t for name, t in trainable.items() if "lora_" in name}, "kernels": tensors}
 
 
 def export_finetuned(
@@ -97,6 +99,11 @@ def load_finetuned(model: nn.Module, path: str | os.PathLike, *, merge: bool = F
         raise ValueError("model: expected the backbone without LoRA, got a PeftModel")
     path = resolve_finetuned_dir(path)
     verify_checked_dir(path, kind=BEST_KIND)
+    return _apply_verified(model, path, merge=merge)
+
+
+def _apply_verified(model: nn.Module, path: Path, *, merge: bool) -> nn.Module:
+    """:func:`load_finetuned` after ``path`` (a ``best/`` directory) passed its manifest check."""
     saved = read_json(path / "kernels.json", what="kernel configs")["layers"]
     attached = attached_kernels(model)
     unexpected = sorted(set(attached) - {int(layer) for layer in saved})
@@ -140,5 +147,5 @@ def load_finetuned_model(
                 f"{path}: info.json does not record the base model (written by an older oal); pass it explicitly "
                 "(--base-model, e.g. smollm2-135m)"
             )
-    model = load_finetuned(load_model(base_model), path, merge=True)
+    model = _apply_verified(load_model(base_model), path, merge=True)  # verified above: hash the files once
     return model.to(device=device, dtype=dtype).eval(), load_tokenizer(base_model)

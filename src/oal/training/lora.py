@@ -18,7 +18,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..models import attached_kernels, get_attention_modules
+from ..models import attached_kernels, get_attention_modules, get_decoder_layers
 from ..models.hooks import KERNEL_ATTR
 from .config import FinetuneConfig
 
@@ -44,9 +44,8 @@ def apply_lora(model: nn.Module, config: FinetuneConfig) -> PeftModel:
     if isinstance(model, PeftModel):
         raise ValueError("model: expected a plain transformers model, got a PeftModel (LoRA already applied)")
     kernels = attached_kernels(model)
-    blocks = list(getattr(model, "model", model).layers)
-    if len(blocks) != len(get_attention_modules(model)):
-        raise ValueError("model: expected model.model.layers to hold the decoder blocks")
+    get_attention_modules(model)  # every block must hold the attention this wraps
+    blocks = get_decoder_layers(model)
     targets = {}  # (layer, target) -> the module that must end up wrapped
     for layer, block in enumerate(blocks):
         for target in config.lora_targets:

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from ..distributed import launched_world_size
 from ..io import provenance, write_json, write_text
-from ..models import attached_kernels
+from ..models import attached_kernels, get_decoder_layers
 from .checkpoint import CheckpointError, latest_checkpoint, load_training_state, save_training_state
 from .config import FinetuneConfig
 from .data import FinetuneData, prepare_data, tensor_sha256, training_order
@@ -230,13 +230,12 @@ def finetune(
 
     kernels = attached_kernels(model)
     fingerprint = model_fingerprint(model)
-    blocks = list(getattr(model, "model", model).layers) if fsdp else []
     # what `oal eval --model <run>` loads the adapter onto (a name, a directory or a Hub id)
     base_model = str(getattr(model.config, "_name_or_path", "") or "")
     set_seed(config.seed)  # LoRA A initialisation
     peft_model = apply_lora(model, config)
     if fsdp:
-        fsdp_shard(peft_model, blocks, acc.device)
+        fsdp_shard(peft_model, list(get_decoder_layers(peft_model)), acc.device)
     params = trainable_parameters(peft_model)
     order = training_order(data.train.shape[0], config.updates, config.seed, world * accum)
     identity = {
@@ -344,8 +343,8 @@ def finetune(
             record["val_nll"] = nll
             if state["best"] is None or nll < state["best"]["val_nll"]:
                 state["best"] = {"step": step + 1, "val_nll": nll, "val_ppl": math.exp(nll)}
-                best_state = trainable_state(peft_model)
-                exported = export_state(peft_model, kernels)  # every process: gathers FSDP shards
+                best_state = trainable_state(peft_model)  # every process: gathers FSDP shards
+                exported = export_state(peft_model, kernels, best_state)
                 if acc.is_main_process:
                     export_finetuned(peft_model, kernels, out / "best", info(state["best"]), exported)
             if acc.is_main_process:
@@ -405,7 +404,7 @@ def finetune(
         "mixed_precision": config.mixed_precision,
         "provenance": provenance(device=str(acc.device)),
     }
-    exported = export_state(peft_model, kernels)
+    exported = export_state(peft_model, kernels, best_state)
     if acc.is_main_process:
         export_finetuned(peft_model, kernels, out / "best", info(state["best"]), exported)
         write_json(out / "summary.json", summary)
