@@ -17,14 +17,14 @@ Layout choices, all for speed on CPUs and a small working set:
   only at the ends of a segment.
 * The intra-chunk kernel comes either from the feature product (any symmetric C) or, given a
   :class:`KernelFactor`, from R score matrices squared and summed (Eq. 7): R·(d+1) instead of D per pair.
-* Without autograd, per-chunk tensors live in buffers reused across chunks (cache-hot writes are several times
-  faster than fresh allocations); with autograd the same steps run out-of-place, so the function is
-  differentiable in q, k, v, a, b, C, the factor and the initial state.
+* Without autograd (:func:`_forward_no_grad`) each (batch, KV head) runs on 2-D GEMMs with every per-chunk
+  tensor written into a buffer allocated once (cache-hot writes are several times faster than fresh
+  allocations) and the constant columns of ``[x, 1]`` and ``[v, 1]`` filled once; with autograd
+  (:func:`_forward_autograd`) the same steps run out-of-place, so the function is differentiable in q, k, v,
+  a, b, C, the factor and the initial state.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -58,16 +58,6 @@ def factored_kernel(q: torch.Tensor, k: torch.Tensor, factor: KernelFactor, scal
     z = (qw.reshape(B, Hkv, -1, d) @ k.mT).view(B, Hq, R, Nq, Nk)
     z = z + factor.c[None, :, :, None, None]
     return factor.c0[None, :, None, None] + z.square().sum(2)
-
-
-class _Workspace:
-    """Flat buffers of the no-grad path; ``take`` carves a contiguous tensor from the front of one."""
-
-    def __init__(self, sizes: dict[str, int], dtype: torch.dtype, device: torch.device) -> None:
-        self.flat = {name: torch.empty(size, dtype=dtype, device=device) for name, size in sizes.items()}
-
-    def take(self, name: str, *shape: int) -> torch.Tensor:
-        return self.flat[name][: math.prod(shape)].view(*shape)
 
 
 def chunk_quadratic_attention(
@@ -105,34 +95,32 @@ def chunk_quadratic_attention(
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     s = default_scale(dims.d, scale)
-    B, Hq, Hkv, N, d, dv = dims
-    G = dims.group
+    cs = max(1, min(chunk_size, dims.N))
+    extra = tuple(x for x in (initial_state, key_weight) if x is not None)
+    inputs = (q, k, v, a, b, C, *(factor or ()), *extra)
+    run = _forward_autograd if torch.is_grad_enabled() and any(t.requires_grad for t in inputs) else _forward_no_grad
+    o, dens, final = run(
+        q, k, v, a, b, C, s, cs, initial_state, output_final_state, factor, kernel_floor, key_weight, return_denominator
+    )
+    if return_denominator:
+        return QuadraticAttentionOutput(o, dens.view(dims.B, dims.Hq, dims.N), final)
+    return o, final
+
+
+def _forward_autograd(
+    q, k, v, a, b, C, s, cs, initial_state, output_final_state, factor, kernel_floor, key_weight, return_denominator
+):
+    """Out-of-place chunk loop: differentiable in every tensor input. Returns ``(o, dens or None, final or None)``."""
+    B, Hq, N, d = q.shape
+    Hkv, dv = k.shape[1], v.shape[-1]
+    G = Hq // Hkv
     cdt = compute_dtype(q.dtype)
     dev = q.device
     canon_of_cyc, cyc_of_canon = cyclic_maps(d, dev)
-    Dc = canon_of_cyc.numel()
     one_row = d * cyclic_width(d + 1)  # cyclic index of x'_d · x'_d = 1 · 1 (r = d, δ = 0)
-    cs = max(1, min(chunk_size, N))
-    R = 0 if factor is None else factor.c.shape[-1]
-    extra = tuple(x for x in (initial_state, key_weight) if x is not None)
-    inputs = (q, k, v, a, b, C, *(factor or ()), *extra)
-    fast = not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))
-    if fast:
-        ws = _Workspace(
-            {
-                "pq": B * G * cs * Dc,
-                "pk": B * cs * Dc,
-                "num": B * G * cs * (dv + 1),
-                "qw": B * G * R * cs * (d + 1),
-                "z": B * G * R * cs * cs,
-                "kern": B * G * cs * cs,
-            },
-            cdt,
-            dev,
-        )
-
-    w = cyclic_query_weights(a.to(cdt), b.to(cdt), C.to(cdt), s).view(Hkv, G, 1, Dc)
+    w = cyclic_query_weights(a.to(cdt), b.to(cdt), C.to(cdt), s).view(Hkv, G, 1, -1)
     if factor is not None:
+        R = factor.c.shape[-1]
         fw = (factor.W.to(cdt) * s).view(Hkv, G, R, 1, d)
         fc = factor.c.to(cdt).view(Hkv, G, R, 1, 1)
         c0 = factor.c0.to(cdt).view(Hkv, G, 1, 1)
@@ -147,7 +135,7 @@ def chunk_quadratic_attention(
 
     for h in range(Hkv):
         if initial_state is None:
-            state = torch.zeros(B, Dc, dv + 1, dtype=cdt, device=dev)
+            state = torch.zeros(B, canon_of_cyc.numel(), dv + 1, dtype=cdt, device=dev)
         else:
             state = initial_state[:, h].to(cdt)[:, canon_of_cyc]
         # keys before this segment: H0's count column, which the cyclic layout stores at the 1·1 feature
@@ -166,36 +154,22 @@ def chunk_quadratic_attention(
                 wc = key_weight[:, h, start:end].to(cdt)
                 u = u * wc[..., None]
                 count = seen + wc.detach().cumsum(-1)[:, None, :, None]
-            k1 = torch.cat([kc, torch.ones_like(kc[..., :1])], dim=-1)  # (B, n, d+1)
 
             # inter-chunk readout (Eq. 6) of the G heads at once: (G·n, D) @ (D, dv+1)
-            if fast:
-                pq = cyclic_features(qc, out=ws.take("pq", B, G, n, Dc)).mul_(w[h])
-                num = torch.matmul(pq.view(B, G * n, Dc), state, out=ws.take("num", B, G * n, dv + 1))
-            else:
-                pq = cyclic_features(qc) * w[h]
-                num = pq.view(B, G * n, Dc) @ state
+            pq = cyclic_features(qc) * w[h]
+            num = pq.view(B, G * n, -1) @ state
+            pk = cyclic_features(kc)
 
             # intra-chunk part: the explicit kernel on the causal triangle, rows (head, query), columns keys
-            if factor is not None and fast:
-                qw = ws.take("qw", B, G, R, n, d + 1)
-                torch.mul(qc[:, :, None], fw[h], out=qw[..., :d])
-                qw[..., d:] = fc[h]
-                z = torch.matmul(qw.view(B, G * R * n, d + 1), k1.mT, out=ws.take("z", B, G * R * n, n))
-                kern = torch.sum(z.square_().view(B, G, R, n, n), 2, out=ws.take("kern", B, G, n, n))
-                kern.add_(c0[h]).mul_(causal[:n, :n])
-            elif factor is not None:
+            if factor is not None:
+                k1 = torch.cat([kc, torch.ones_like(kc[..., :1])], dim=-1)  # (B, n, d+1)
                 qw = torch.cat([qc[:, :, None] * fw[h], fc[h].expand(B, G, R, n, 1)], dim=-1)
                 z = qw.view(B, G * R * n, d + 1) @ k1.mT
                 kern = (z.view(B, G, R, n, n).square().sum(2) + c0[h]) * causal[:n, :n]
             else:
-                kern = (pq.view(B, G * n, Dc) @ cyclic_features(kc).mT).view(B, G, n, n) * causal[:n, :n]
-            if fast:
-                num.baddbmm_(kern.view(B, G * n, n), u)
-            else:
-                num = torch.baddbmm(num, kern.view(B, G * n, n), u)
+                kern = (pq.view(B, G * n, -1) @ pk.mT).view(B, G, n, n) * causal[:n, :n]
+            num = torch.baddbmm(num, kern.view(B, G * n, n), u).view(B, G, n, dv + 1)
 
-            num = num.view(B, G, n, dv + 1)
             den = num[..., dv:]
             if kernel_floor is not None:
                 den = torch.maximum(den, kernel_floor * count)
@@ -205,15 +179,126 @@ def chunk_quadratic_attention(
                 den = torch.where(count > 0, den, torch.ones_like(den))
             o_groups[:, h, :, start:end] = (num[..., :dv] / den).to(q.dtype)
 
-            # state update (Eq. 5): S += φ_k(K)ᵀ U
-            if fast:
-                state.baddbmm_(cyclic_features(kc, out=ws.take("pk", B, n, Dc)).mT, u)
-            else:
-                state = torch.baddbmm(state, cyclic_features(kc).mT, u)
+            state = torch.baddbmm(state, pk.mT, u)  # state update (Eq. 5): S += φ_k(K)ᵀ U
             seen = count[:, :, -1:]
         if output_final_state:
             finals.append(state[:, cyc_of_canon])
-    final = torch.stack(finals, dim=1) if output_final_state else None
-    if return_denominator:
-        return QuadraticAttentionOutput(o, dens.view(B, Hq, N), final)
-    return o, final
+    return o, dens, torch.stack(finals, dim=1) if output_final_state else None
+
+
+def _forward_no_grad(
+    q, k, v, a, b, C, s, cs, initial_state, output_final_state, factor, kernel_floor, key_weight, return_denominator
+):
+    """The same loop without autograd, tuned for CPUs: one (batch, KV head) at a time on 2-D GEMMs, every
+    per-chunk tensor written into a buffer allocated once (cache-hot, no allocator traffic), the constant
+    columns of ``[x, 1]`` and ``[v, 1]`` filled once, and the chunks of each input taken as views by one
+    ``split``. Returns ``(o, dens or None, final or None)``."""
+    B, Hq, N, d = q.shape
+    Hkv, dv = k.shape[1], v.shape[-1]
+    G = Hq // Hkv
+    e = d + 1
+    P = cyclic_width(e)
+    Dc = e * P
+    cdt = compute_dtype(q.dtype)
+    dev = q.device
+    canon_of_cyc, cyc_of_canon = cyclic_maps(d, dev)
+    one_row = d * P  # cyclic index of x'_d · x'_d = 1 · 1
+    w = cyclic_query_weights(a.to(cdt), b.to(cdt), C.to(cdt), s).view(Hkv, G, 1, e, P)
+    R = 0 if factor is None else factor.c.shape[-1]
+    if factor is not None:
+        fw = (factor.W.to(cdt) * s).view(Hkv, G, R, 1, d)
+        fc = factor.c.to(cdt).view(Hkv, G, R, 1)
+        c0 = factor.c0.to(cdt).view(Hkv, G, 1, 1)
+
+    o = torch.empty(B, Hq, N, dv, dtype=q.dtype, device=dev)
+    o_groups = o.view(B, Hkv, G, N, dv)
+    dens = torch.empty(B, Hkv, G, N, dtype=cdt, device=dev) if return_denominator else None
+    finals = torch.empty(B, Hkv, cyc_of_canon.numel(), dv + 1, dtype=cdt, device=dev) if output_final_state else None
+    causal = torch.ones(cs, cs, dtype=cdt, device=dev).tril()  # [query i, key j]
+    steps = torch.arange(1, cs + 1, dtype=cdt, device=dev)
+
+    # buffers: yq/yk hold [x, 1, x, 1] (the cyclic source), u holds [v, 1]; their constant columns never change
+    yq = torch.ones(G, cs, 2, e, dtype=cdt, device=dev)
+    yk = torch.ones(cs, 2, e, dtype=cdt, device=dev)
+    u_buf = torch.ones(cs, dv + 1, dtype=cdt, device=dev)
+    flat_pq = torch.empty(G * cs * Dc, dtype=cdt, device=dev)
+    flat_pk = torch.empty(cs * Dc, dtype=cdt, device=dev)
+    flat_num = torch.empty(G * cs * (dv + 1), dtype=cdt, device=dev)
+    flat_kern = torch.empty(G * cs * cs, dtype=cdt, device=dev)
+    if factor is not None:
+        qw = torch.empty(G, R, cs, e, dtype=cdt, device=dev)
+        flat_z = torch.empty(G * R * cs * cs, dtype=cdt, device=dev)
+
+    for bh in range(B * Hkv):
+        bi, h = divmod(bh, Hkv)
+        if initial_state is None:
+            state = torch.zeros(Dc, dv + 1, dtype=cdt, device=dev)
+        else:
+            state = initial_state[bi, h].to(cdt)[canon_of_cyc]
+        seen = state[one_row, dv].clone()  # keys before this segment: H0's count column
+        if factor is not None:
+            qw[..., d] = fc[h]
+        q_chunks = q[bi].view(Hkv, G, N, d)[h].split(cs, dim=1)
+        k_chunks = k[bi, h].split(cs)
+        v_chunks = v[bi, h].split(cs)
+        o_chunks = o_groups[bi, h].split(cs, dim=1)
+        w_chunks = key_weight[bi, h].split(cs) if key_weight is not None else None
+        start = 0
+        for ci, (qc, kc, vc, oc) in enumerate(zip(q_chunks, k_chunks, v_chunks, o_chunks, strict=True)):
+            n = kc.shape[0]
+            yq[:, :n, :, :d].copy_(qc[:, :, None])
+            yk[:n, :, :d].copy_(kc[:, None])
+            u = u_buf[:n]
+            count = None  # keys seen by each query, (n,): needed by the floor and by key weights only
+            if w_chunks is None:
+                u[:, :dv].copy_(vc)
+                if kernel_floor is not None:
+                    count = steps[:n] + (seen + start)
+            else:
+                wc = w_chunks[ci].to(cdt)
+                torch.mul(vc, wc[:, None], out=u[:, :dv])
+                u[:, dv].copy_(wc)
+                count = wc.cumsum(0).add_(seen)
+                seen = count[-1]
+
+            # inter-chunk readout (Eq. 6) of the G heads at once: (G·n, D) @ (D, dv+1)
+            pq = flat_pq[: G * n * Dc].view(G, n, e, P)
+            src = yq[:, :n].view(G, n, 2 * e)
+            torch.mul(src[..., :e, None], src.as_strided((G, n, e, P), (*src.stride()[:2], 1, 1)), out=pq)
+            pq.mul_(w[h])
+            pq = pq.view(G * n, Dc)
+            num = torch.mm(pq, state, out=flat_num[: G * n * (dv + 1)].view(G * n, dv + 1))
+            pk = flat_pk[: n * Dc].view(n, e, P)
+            srck = yk[:n].view(n, 2 * e)
+            torch.mul(srck[:, :e, None], srck.as_strided((n, e, P), (srck.stride(0), 1, 1)), out=pk)
+            pk = pk.view(n, Dc)
+
+            # intra-chunk part: the explicit kernel on the causal triangle, rows (head, query), columns keys
+            kern = flat_kern[: G * n * n].view(G, n, n)
+            if factor is not None:
+                qwn = qw[:, :, :n]
+                torch.mul(qc[:, None], fw[h], out=qwn[..., :d])
+                z = flat_z[: G * R * n * n].view(G * R * n, n)
+                torch.mm(qwn.reshape(G * R * n, e), yk[:n, 0].T, out=z)
+                torch.sum(z.square_().view(G, R, n, n), 1, out=kern)
+                kern.add_(c0[h])
+            else:
+                torch.mm(pq, pk.T, out=kern.view(G * n, n))
+            kern.mul_(causal[:n, :n])
+            num.addmm_(kern.view(G * n, n), u)
+
+            num = num.view(G, n, dv + 1)
+            den = num[..., dv:]
+            if kernel_floor is not None:
+                den.clamp_min_(count[:, None] * kernel_floor)
+            if dens is not None:
+                dens[bi, h, :, start : start + n] = den[..., 0]
+            if w_chunks is not None:  # no key with weight > 0 yet: output 0, not 0/0
+                den = torch.where(count[:, None] > 0, den, 1.0)
+            torch.div(num[..., :dv], den, out=oc)
+
+            state.addmm_(pk.T, u)  # state update (Eq. 5): S += φ_k(K)ᵀ U
+            start += n
+        if finals is not None:
+            finals[bi, h] = state[cyc_of_canon]
+    return o, dens, finals
