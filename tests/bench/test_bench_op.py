@@ -22,7 +22,14 @@ from oal.bench.op import (
     run_point_subprocess,
     run_sweep,
 )
-from oal.kernels import SoftmaxKernel, repeat_kv
+from oal.kernels import (
+    DiJiangKernel,
+    PerformerKernel,
+    SoftmaxKernel,
+    SpectraFormerKernel,
+    TaylorShiftKernel,
+    repeat_kv,
+)
 
 TINY = {"heads_q": 4, "heads_kv": 2, "head_dim": 16, "value_dim": 16, "threads": 1}
 
@@ -254,6 +261,24 @@ def test_oal_methods_match_the_naive_kernel(name, groups):
     kernel = random_oal_kernel(shape, groups, 3)
     assert kernel.num_groups == groups and int(kernel.groups.max()) == groups - 1
     ref, _ = kernel(q, k, v, mode="naive")
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("performer", PerformerKernel),
+        ("spectraformer", SpectraFormerKernel),
+        ("dijiang", DiJiangKernel),
+        ("taylorshift", TaylorShiftKernel),
+    ],
+)
+def test_baseline_methods_are_their_kernels(name, cls):
+    shape = AttnShape(1, 6, 2, 70, 16, 16)
+    q, k, v = make_inputs(shape, torch.float32, torch.device("cpu"), 0)
+    out = get_method(name).build(shape, torch.device("cpu"), 3)(q, k, v)
+    ref, _ = cls(6, 2, 16, seed=3)(q, k, v, mode="naive")
+    assert get_method(name).flops is None
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 

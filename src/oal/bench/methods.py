@@ -16,7 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..kernels import AttentionKernel, GlobalQuadraticKernel, OALKernel
+from ..kernels import (
+    AttentionKernel,
+    DiJiangKernel,
+    GlobalQuadraticKernel,
+    OALKernel,
+    PerformerKernel,
+    SpectraFormerKernel,
+    TaylorShiftKernel,
+)
 from ..ops.quadratic.chunk import DEFAULT_CHUNK
 from .flops import AttnShape, quadratic_chunk_flops, sdpa_causal_flops
 
@@ -163,5 +171,14 @@ register_method(
 register_method(sdpa_method("sdpa_math", "SDPA math", SDPBackend.MATH, "torch SDPA, MATH backend, causal, enable_gqa"))
 register_method(oal_method("oal", num_groups=5))
 register_method(oal_method("global", num_groups=1))
+# the App. F.1 baselines with the constructor defaults that calibration and conversion use (feature counts, and
+# the fp64 feature maps of Performer and SpectraFormer), at their default linear-time chunked forward
+for _name, _label, _cls in (
+    ("performer", "Performer", PerformerKernel),
+    ("spectraformer", "SpectraFormer", SpectraFormerKernel),
+    ("dijiang", "DiJiang", DiJiangKernel),
+    ("taylorshift", "TaylorShift", TaylorShiftKernel),
+):
+    register_method(kernel_method(_name, _cls, label=_label, description=f"{_label} (App. F.1), constructor defaults"))
 
 DEFAULT_METHODS = ("sdpa", "sdpa_math", "oal", "global")
