@@ -40,6 +40,7 @@ from .utils import (
     compute_dtype,
     cyclic_features,
     cyclic_maps,
+    cyclic_pair_products,
     cyclic_query_weights,
     cyclic_width,
     default_scale,
@@ -262,16 +263,10 @@ def _forward_no_grad(
                 seen = count[-1]
 
             # inter-chunk readout (Eq. 6) of the G heads at once: (G·n, D) @ (D, dv+1)
-            pq = flat_pq[: G * n * Dc].view(G, n, e, P)
-            src = yq[:, :n].view(G, n, 2 * e)
-            torch.mul(src[..., :e, None], src.as_strided((G, n, e, P), (*src.stride()[:2], 1, 1)), out=pq)
-            pq.mul_(w[h])
-            pq = pq.view(G * n, Dc)
+            pq = cyclic_pair_products(yq[:, :n].view(G, n, 2 * e), out=flat_pq[: G * n * Dc].view(G, n, Dc))
+            pq = pq.view(G, n, e, P).mul_(w[h]).view(G * n, Dc)
             num = torch.mm(pq, state, out=flat_num[: G * n * (dv + 1)].view(G * n, dv + 1))
-            pk = flat_pk[: n * Dc].view(n, e, P)
-            srck = yk[:n].view(n, 2 * e)
-            torch.mul(srck[:, :e, None], srck.as_strided((n, e, P), (srck.stride(0), 1, 1)), out=pk)
-            pk = pk.view(n, Dc)
+            pk = cyclic_pair_products(yk[:n].view(n, 2 * e), out=flat_pk[: n * Dc].view(n, Dc))
 
             # intra-chunk part: the explicit kernel on the causal triangle, rows (head, query), columns keys
             kern = flat_kern[: G * n * n].view(G, n, n)
@@ -279,7 +274,7 @@ def _forward_no_grad(
                 qwn = qw[:, :, :n]
                 torch.mul(qc[:, None], fw[h], out=qwn[..., :d])
                 z = flat_z[: G * R * n * n].view(G * R * n, n)
-                torch.mm(qwn.reshape(G * R * n, e), yk[:n, 0].T, out=z)
+                torch.mm(qwn.reshape(G * R * n, e), yk[:n, 0].T, out=z)  # yk[:, 0] is [k, 1]
                 torch.sum(z.square_().view(G, R, n, n), 1, out=kern)
                 kern.add_(c0[h])
             else:

@@ -143,15 +143,15 @@ def cyclic_maps(d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tenso
     return tuple(x.to(device) for x in _cyclic_maps_cpu(d))  # type: ignore[return-value]
 
 
-def cyclic_features(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Cyclic pair features of ``x' = [x, 1]``: ``(..., n, d)`` -> ``(..., n, (d+1)·P)``.
+def cyclic_pair_products(y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Cyclic pair features from their source ``y = [x, 1, x, 1]``: ``(..., n, 2e)`` -> ``(..., n, e·P)``,
+    ``e = d + 1``: one broadcast product of ``x'_r`` against a strided view of ``x'_{r+δ}``.
 
-    ``out`` (same shape as the result, contiguous) avoids an allocation when no gradient is needed.
+    ``y`` needs a unit stride in its last dimension only; ``out`` (contiguous, the result's shape) avoids an
+    allocation when no gradient is needed.
     """
-    e = x.shape[-1] + 1
+    e = y.shape[-1] // 2
     P = cyclic_width(e)
-    ones = torch.ones_like(x[..., :1])
-    y = torch.cat([x, ones, x, ones], dim=-1)
     st = y.stride()
     shifted = y.as_strided((*y.shape[:-1], e, P), (*st[:-1], st[-1], st[-1]))
     head = y[..., :e, None]
@@ -159,6 +159,12 @@ def cyclic_features(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
         return (head * shifted).flatten(-2)
     torch.mul(head, shifted, out=out.view(*out.shape[:-1], e, P))
     return out
+
+
+def cyclic_features(x: torch.Tensor) -> torch.Tensor:
+    """Cyclic pair features of ``x' = [x, 1]``: ``(..., n, d)`` -> ``(..., n, (d+1)·P)``."""
+    ones = torch.ones_like(x[..., :1])
+    return cyclic_pair_products(torch.cat([x, ones, x, ones], dim=-1))
 
 
 def cyclic_query_weights(a: torch.Tensor, b: torch.Tensor, C: torch.Tensor, scale: float) -> torch.Tensor:
