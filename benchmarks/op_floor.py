@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from oal.bench.devices import cpu_model
 from oal.bench.flops import AttnShape, chunk_sizes
 from oal.bench.methods import random_oal_kernel
 from oal.ops.quadratic.utils import feature_dim
@@ -112,7 +114,12 @@ def main() -> None:
             f"{row['sdpa_over_oal']:5.2f}  sdpa/gemm_floor {row['sdpa_over_gemm_floor']:5.2f}"
         )
     if args.json is not None:
-        doc = {"command": vars(args) | {"json": str(args.json)}, "threads": torch.get_num_threads(), "rows": rows}
+        doc = {
+            "command": vars(args) | {"json": str(args.json)},
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"cpu": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+            "rows": rows,
+        }
         tmp = args.json.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         tmp.replace(args.json)
