@@ -17,7 +17,9 @@ Layout choices, all for speed on CPUs and a small working set:
   only at the ends of a segment.
 * The intra-chunk kernel comes either from the feature product (any symmetric C) or, given a
   :class:`KernelFactor`, from R score matrices squared and summed (Eq. 7): R·(d+1) instead of D per pair.
-* Without autograd (:func:`_forward_no_grad`) each (batch, KV head) runs on 2-D GEMMs with every per-chunk
+* Without autograd, on CPU, with a factor and no key weights, the fused C++ kernel of :mod:`.cpu` runs the loop
+  (:func:`_forward_fused`): the same arithmetic, one loop per step around the same BLAS GEMMs.
+* Otherwise without autograd (:func:`_forward_no_grad`) each (batch, KV head) runs on 2-D GEMMs with every per-chunk
   tensor written into a buffer allocated once (cache-hot writes are several times faster than fresh
   allocations) and the constant columns of ``[x, 1]`` and ``[v, 1]`` filled once; with autograd
   (:func:`_forward_autograd`) the same steps run out-of-place, so the function is differentiable in q, k, v,
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cpu as cpu_kernel
 from .utils import (
     KernelFactor,
     QuadraticAttentionOutput,
@@ -99,10 +102,13 @@ def chunk_quadratic_attention(
     cs = max(1, min(chunk_size, dims.N))
     extra = tuple(x for x in (initial_state, key_weight) if x is not None)
     inputs = (q, k, v, a, b, C, *(factor or ()), *extra)
-    run = _forward_autograd if torch.is_grad_enabled() and any(t.requires_grad for t in inputs) else _forward_no_grad
-    o, dens, final = run(
-        q, k, v, a, b, C, s, cs, initial_state, output_final_state, factor, kernel_floor, key_weight, return_denominator
-    )
+    args = (q, k, v, a, b, C, s, cs, initial_state, output_final_state, factor, kernel_floor, key_weight)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        o, dens, final = _forward_autograd(*args, return_denominator)
+    elif cpu_kernel.usable(q, factor, key_weight) and (ext := cpu_kernel.load()) is not None:
+        o, dens, final = _forward_fused(ext, *args, return_denominator)
+    else:
+        o, dens, final = _forward_no_grad(*args, return_denominator)
     if return_denominator:
         return QuadraticAttentionOutput(o, dens.view(dims.B, dims.Hq, dims.N), final)
     return o, final
@@ -185,6 +191,54 @@ def _forward_autograd(
         if output_final_state:
             finals.append(state[:, cyc_of_canon])
     return o, dens, torch.stack(finals, dim=1) if output_final_state else None
+
+
+def _forward_fused(
+    ext,
+    q,
+    k,
+    v,
+    a,
+    b,
+    C,
+    s,
+    cs,
+    initial_state,
+    output_final_state,
+    factor,
+    kernel_floor,
+    key_weight,
+    return_denominator,
+):
+    """The no-grad loop in the fused C++ kernel (``cpu/chunk.cpp``; needs ``factor``, no ``key_weight``).
+    Returns ``(o, dens or None, final or None)`` like :func:`_forward_no_grad`."""
+    Hq, d = q.shape[1], q.shape[3]
+    Hkv = k.shape[1]
+    G, e = Hq // Hkv, d + 1
+    R = factor.c.shape[-1]
+    f32 = torch.float32
+    canon_of_cyc, cyc_of_canon = cyclic_maps(d, q.device)
+    w = cyclic_query_weights(a.to(f32), b.to(f32), C.to(f32), s).reshape(Hkv, G, e, cyclic_width(e)).contiguous()
+    fw = (factor.W.to(f32) * s).reshape(Hkv, G, R, d).contiguous()
+    fc = factor.c.to(f32).reshape(Hkv, G, R).contiguous()
+    c0 = factor.c0.to(f32).reshape(Hkv, G).contiguous()
+    state0 = torch.empty(0) if initial_state is None else initial_state.to(f32)[:, :, canon_of_cyc].contiguous()
+    floor = -1.0 if kernel_floor is None else float(kernel_floor)
+    o, dens, final = ext.chunk_forward(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        w,
+        fw,
+        fc,
+        c0,
+        state0,
+        floor,
+        cs,
+        output_final_state,
+        return_denominator,
+    )
+    return o, dens if return_denominator else None, final[:, :, cyc_of_canon] if output_final_state else None
 
 
 def _forward_no_grad(

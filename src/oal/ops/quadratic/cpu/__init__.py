@@ -1,0 +1,67 @@
+"""Fused C++ CPU kernel of the chunked operator's no-autograd forward (``chunk.cpp``), compiled on first use.
+
+The torch-level chunk loop spends about as long around its two state GEMMs as in them (features, query weights,
+within-chunk squares, normalisation, each a separate pass and a Python dispatch; see
+``docs/results/bench/README.md``). ``chunk.cpp`` does the same arithmetic with one loop per step around the same
+BLAS calls. It is built with ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed; the build
+is cached by torch, about a minute the first time) and used automatically by
+:func:`oal.ops.quadratic.chunk.chunk_quadratic_attention` when nothing needs autograd, the inputs are CPU fp32 /
+bf16 / fp16, a :class:`~oal.ops.quadratic.utils.KernelFactor` is given and no key weights are. If the build
+fails, a warning is logged once and the torch path runs. ``OAL_CPU_KERNEL=0`` disables it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("chunk.cpp")
+_state: dict[str, ModuleType | None] = {}
+_enabled = [os.environ.get("OAL_CPU_KERNEL", "1") != "0"]
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn the fused kernel on or off for this process; returns the previous setting."""
+    previous = _enabled[0]
+    _enabled[0] = bool(flag)
+    return previous
+
+
+def load() -> ModuleType | None:
+    """The compiled extension, building it on the first call; None if disabled or if the build failed."""
+    if not _enabled[0]:
+        return None
+    if "module" not in _state:
+        from torch.utils.cpp_extension import load as build
+
+        log.info("building the fused CPU kernel %s (first use: about a minute)", SOURCE.name)
+        try:
+            _state["module"] = build(
+                # -march=native: one build per instruction set, so a shared cache never runs foreign code
+                name=f"oal_quadratic_cpu_{torch.backends.cpu.get_cpu_capability().lower()}",
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
+        except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
+            log.warning("fused CPU kernel unavailable, using the torch chunk loop: %s", exc)
+            _state["module"] = None
+    return _state["module"]
+
+
+def usable(q: torch.Tensor, factor: object, key_weight: torch.Tensor | None) -> bool:
+    """Whether a call with these arguments can run on the fused kernel (before building it)."""
+    return (
+        _enabled[0]
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and factor is not None
+        and key_weight is None
+    )

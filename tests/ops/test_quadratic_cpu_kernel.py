@@ -1,0 +1,136 @@
+"""The fused C++ CPU kernel (oal.ops.quadratic.cpu) against the torch chunk loop and the naive reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_quadratic import make_inputs, random_oal, rel_rms
+
+from oal.ops import quadratic_attention
+from oal.ops.quadratic import KernelFactor
+from oal.ops.quadratic import cpu as cpu_kernel
+
+EXT = cpu_kernel.load()
+pytestmark = pytest.mark.skipif(EXT is None, reason="the fused CPU kernel did not build (no C++ compiler?)")
+
+
+@pytest.fixture
+def torch_loop():
+    """Run the body with the fused kernel switched off (the torch no-grad loop), then switch it back on."""
+    previous = cpu_kernel.set_enabled(False)
+    yield
+    cpu_kernel.set_enabled(previous)
+
+
+def problem(B, Hq, Hkv, N, d, dv, dtype, G=5):
+    q, k, v = make_inputs(B, Hq, Hkv, N, d, dv)
+    _, _, (a, b, C), factor = random_oal(Hq, d, G=G)
+    f32 = KernelFactor(*(x.float() for x in factor))
+    return (q.to(dtype), k.to(dtype), v.to(dtype), a.float(), b.float(), C.float()), f32, (q, k, v, a, b, C)
+
+
+def both(args, factor, **kw):
+    """(fused, torch loop) outputs of the same call."""
+    fused = quadratic_attention(*args, factor=factor, **kw)
+    previous = cpu_kernel.set_enabled(False)
+    try:
+        loop = quadratic_attention(*args, factor=factor, **kw)
+    finally:
+        cpu_kernel.set_enabled(previous)
+    return fused, loop
+
+
+SHAPES = [
+    # B, Hq, Hkv, N, d, dv, chunk
+    (2, 3, 3, 1, 16, 16, 64),
+    (1, 3, 1, 63, 16, 8, 16),
+    (2, 6, 2, 128, 16, 16, 64),
+    (1, 9, 3, 1000, 64, 64, 64),
+    (1, 3, 1, 130, 64, 32, 50),
+    (1, 2, 1, 77, 15, 7, 32),  # odd d: the cyclic layout lists some pairs twice
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_matches_torch_loop_and_naive_fp32(shape):
+    B, Hq, Hkv, N, d, dv, cs = shape
+    args, factor, exact = problem(B, Hq, Hkv, N, d, dv, torch.float32)
+    (o, state), (o_loop, state_loop) = both(args, factor, chunk_size=cs, output_final_state=True)
+    ref, ref_state = quadratic_attention(*exact, mode="naive", output_final_state=True)
+    assert o.dtype == torch.float32 and o.shape == (B, Hq, N, dv)
+    assert rel_rms(o, o_loop) < 1e-6
+    assert rel_rms(o, ref) < 1e-4
+    assert rel_rms(state, state_loop) < 1e-6
+    assert rel_rms(state, ref_state) < 1e-4
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+def test_fused_half_inputs_accumulate_in_fp32(dtype, tol):
+    args, factor, exact = problem(1, 6, 2, 200, 64, 64, dtype)
+    (o, _), (o_loop, _) = both(args, factor, chunk_size=64)
+    ref, _ = quadratic_attention(*(x.to(dtype).double() if x.dim() == 4 else x for x in exact), mode="naive")
+    assert o.dtype == dtype
+    assert rel_rms(o, o_loop) < 1e-2  # both round the same fp32 result to dtype; ties may differ by one ulp
+    assert rel_rms(o, ref) < tol
+
+
+def test_prefill_then_continue_equals_full():
+    args, factor, _ = problem(2, 6, 2, 150, 32, 16, torch.float32)
+    q, k, v, a, b, C = args
+    full, full_state = quadratic_attention(*args, factor=factor, chunk_size=32, output_final_state=True)
+    head, state = quadratic_attention(
+        q[:, :, :97], k[:, :, :97], v[:, :, :97], a, b, C, factor=factor, chunk_size=32, output_final_state=True
+    )
+    tail, tail_state = quadratic_attention(
+        q[:, :, 97:], k[:, :, 97:], v[:, :, 97:], a, b, C, factor=factor, chunk_size=32,
+        initial_state=state, output_final_state=True,
+    )  # fmt: skip
+    assert rel_rms(torch.cat([head, tail], dim=2), full) < 1e-6
+    assert rel_rms(tail_state, full_state) < 1e-6
+
+
+@pytest.mark.parametrize("floor", [None, 1e-3, 10.0])
+def test_denominator_and_floor(floor):
+    args, factor, _ = problem(1, 3, 1, 90, 16, 16, torch.float32)
+    fused, loop = both(args, factor, chunk_size=32, kernel_floor=floor, return_denominator=True)
+    assert rel_rms(fused.o, loop.o) < 1e-6
+    assert rel_rms(fused.denominator, loop.denominator) < 1e-6
+    if floor:
+        count = torch.arange(1, 91, dtype=torch.float32)
+        assert (fused.denominator >= floor * count * (1 - 1e-6)).all()
+
+
+def test_gradients_still_use_autograd_path():
+    args, factor, exact = problem(1, 3, 1, 40, 16, 16, torch.float32)
+    q = args[0].clone().requires_grad_()
+    o, _ = quadratic_attention(q, *args[1:], factor=factor, chunk_size=16)
+    o.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_disabled_and_unsupported_calls_use_torch_loop(torch_loop):
+    assert not cpu_kernel.usable(torch.zeros(1), object(), None)
+    cpu_kernel.set_enabled(True)
+    assert cpu_kernel.usable(torch.zeros(1), object(), None)
+    assert not cpu_kernel.usable(torch.zeros(1, dtype=torch.float64), object(), None)
+    assert not cpu_kernel.usable(torch.zeros(1), None, None)
+    assert not cpu_kernel.usable(torch.zeros(1), object(), torch.ones(1))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    B=st.integers(1, 2),
+    Hkv=st.integers(1, 2),
+    ratio=st.sampled_from([1, 3]),
+    N=st.integers(1, 90),
+    d=st.sampled_from([4, 7, 16]),
+    dv=st.integers(1, 9),
+    cs=st.integers(1, 40),
+)
+def test_fused_matches_torch_loop_any_shape(B, Hkv, ratio, N, d, dv, cs):
+    args, factor, _ = problem(B, Hkv * ratio, Hkv, N, d, dv, torch.float32, G=2)
+    (o, state), (o_loop, state_loop) = both(args, factor, chunk_size=cs, output_final_state=True)
+    assert rel_rms(o, o_loop) < 1e-5
+    assert rel_rms(state, state_loop) < 1e-5
