@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -16,12 +18,14 @@ EXT = cpu_kernel.load()
 pytestmark = pytest.mark.skipif(EXT is None, reason="the fused CPU kernel did not build (no C++ compiler?)")
 
 
-@pytest.fixture
+@contextmanager
 def torch_loop():
-    """Run the body with the fused kernel switched off (the torch no-grad loop), then switch it back on."""
+    """Run the body with the fused kernel switched off (the torch no-grad loop), then restore the setting."""
     previous = cpu_kernel.set_enabled(False)
-    yield
-    cpu_kernel.set_enabled(previous)
+    try:
+        yield
+    finally:
+        cpu_kernel.set_enabled(previous)
 
 
 def problem(B, Hq, Hkv, N, d, dv, dtype, G=5):
@@ -34,11 +38,8 @@ def problem(B, Hq, Hkv, N, d, dv, dtype, G=5):
 def both(args, factor, **kw):
     """(fused, torch loop) outputs of the same call."""
     fused = quadratic_attention(*args, factor=factor, **kw)
-    previous = cpu_kernel.set_enabled(False)
-    try:
+    with torch_loop():
         loop = quadratic_attention(*args, factor=factor, **kw)
-    finally:
-        cpu_kernel.set_enabled(previous)
     return fused, loop
 
 
@@ -103,16 +104,17 @@ def test_denominator_and_floor(floor):
 
 
 def test_gradients_still_use_autograd_path():
-    args, factor, exact = problem(1, 3, 1, 40, 16, 16, torch.float32)
+    args, factor, _ = problem(1, 3, 1, 40, 16, 16, torch.float32)
     q = args[0].clone().requires_grad_()
     o, _ = quadratic_attention(q, *args[1:], factor=factor, chunk_size=16)
     o.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
-def test_disabled_and_unsupported_calls_use_torch_loop(torch_loop):
-    assert not cpu_kernel.usable(torch.zeros(1), object(), None)
-    cpu_kernel.set_enabled(True)
+def test_disabled_and_unsupported_calls_use_torch_loop():
+    with torch_loop():
+        assert not cpu_kernel.usable(torch.zeros(1), object(), None)
+        assert cpu_kernel.load() is None
     assert cpu_kernel.usable(torch.zeros(1), object(), None)
     assert not cpu_kernel.usable(torch.zeros(1, dtype=torch.float64), object(), None)
     assert not cpu_kernel.usable(torch.zeros(1), None, None)

@@ -114,6 +114,20 @@ def chunk_quadratic_attention(
     return o, final
 
 
+def _query_coefficients(a, b, C, factor, s, cdt, Hkv):
+    """The query side of the kernel, per (KV head, query head of its group), in ``cdt``: the cyclic query weights
+    ``(Hkv, G, e, P)`` and, given a factor, ``scale·W (Hkv, G, R, d)``, ``c (Hkv, G, R)`` and ``c0 (Hkv, G)``
+    (None without one). Differentiable; each evaluation path adds its own broadcast axes."""
+    Hq, d = b.shape
+    G, e = Hq // Hkv, d + 1
+    w = cyclic_query_weights(a.to(cdt), b.to(cdt), C.to(cdt), s).reshape(Hkv, G, e, cyclic_width(e))
+    if factor is None:
+        return w, None, None, None
+    R = factor.c.shape[-1]
+    fw = (factor.W.to(cdt) * s).reshape(Hkv, G, R, d)
+    return w, fw, factor.c.to(cdt).reshape(Hkv, G, R), factor.c0.to(cdt).reshape(Hkv, G)
+
+
 def _forward_autograd(
     q, k, v, a, b, C, s, cs, initial_state, output_final_state, factor, kernel_floor, key_weight, return_denominator
 ):
@@ -125,12 +139,11 @@ def _forward_autograd(
     dev = q.device
     canon_of_cyc, cyc_of_canon = cyclic_maps(d, dev)
     one_row = d * cyclic_width(d + 1)  # cyclic index of x'_d · x'_d = 1 · 1 (r = d, δ = 0)
-    w = cyclic_query_weights(a.to(cdt), b.to(cdt), C.to(cdt), s).view(Hkv, G, 1, -1)
+    w, fw, fc, c0 = _query_coefficients(a, b, C, factor, s, cdt, Hkv)
+    w = w.reshape(Hkv, G, 1, -1)
     if factor is not None:
         R = factor.c.shape[-1]
-        fw = (factor.W.to(cdt) * s).view(Hkv, G, R, 1, d)
-        fc = factor.c.to(cdt).view(Hkv, G, R, 1, 1)
-        c0 = factor.c0.to(cdt).view(Hkv, G, 1, 1)
+        fw, fc, c0 = fw[:, :, :, None], fc[..., None, None], c0[..., None, None]
 
     o = torch.empty(B, Hq, N, dv, dtype=q.dtype, device=dev)
     o_groups = o.view(B, Hkv, G, N, dv)
@@ -212,16 +225,9 @@ def _forward_fused(
 ):
     """The no-grad loop in the fused C++ kernel (``cpu/chunk.cpp``; needs ``factor``, no ``key_weight``).
     Returns ``(o, dens or None, final or None)`` like :func:`_forward_no_grad`."""
-    Hq, d = q.shape[1], q.shape[3]
-    Hkv = k.shape[1]
-    G, e = Hq // Hkv, d + 1
-    R = factor.c.shape[-1]
     f32 = torch.float32
-    canon_of_cyc, cyc_of_canon = cyclic_maps(d, q.device)
-    w = cyclic_query_weights(a.to(f32), b.to(f32), C.to(f32), s).reshape(Hkv, G, e, cyclic_width(e)).contiguous()
-    fw = (factor.W.to(f32) * s).reshape(Hkv, G, R, d).contiguous()
-    fc = factor.c.to(f32).reshape(Hkv, G, R).contiguous()
-    c0 = factor.c0.to(f32).reshape(Hkv, G).contiguous()
+    canon_of_cyc, cyc_of_canon = cyclic_maps(q.shape[-1], q.device)
+    w, fw, fc, c0 = (x.contiguous() for x in _query_coefficients(a, b, C, factor, s, f32, k.shape[1]))
     state0 = torch.empty(0) if initial_state is None else initial_state.to(f32)[:, :, canon_of_cyc].contiguous()
     floor = -1.0 if kernel_floor is None else float(kernel_floor)
     o, dens, final = ext.chunk_forward(
@@ -258,12 +264,11 @@ def _forward_no_grad(
     dev = q.device
     canon_of_cyc, cyc_of_canon = cyclic_maps(d, dev)
     one_row = d * P  # cyclic index of x'_d · x'_d = 1 · 1
-    w = cyclic_query_weights(a.to(cdt), b.to(cdt), C.to(cdt), s).view(Hkv, G, 1, e, P)
+    w, fw, fc, c0 = _query_coefficients(a, b, C, factor, s, cdt, Hkv)
+    w = w[:, :, None]  # (Hkv, G, 1, e, P)
     R = 0 if factor is None else factor.c.shape[-1]
     if factor is not None:
-        fw = (factor.W.to(cdt) * s).view(Hkv, G, R, 1, d)
-        fc = factor.c.to(cdt).view(Hkv, G, R, 1)
-        c0 = factor.c0.to(cdt).view(Hkv, G, 1, 1)
+        fw, fc, c0 = fw[:, :, :, None], fc[..., None], c0[..., None, None]
 
     o = torch.empty(B, Hq, N, dv, dtype=q.dtype, device=dev)
     o_groups = o.view(B, Hkv, G, N, dv)
