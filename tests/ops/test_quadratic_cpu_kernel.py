@@ -51,6 +51,7 @@ SHAPES = [
     (1, 9, 3, 1000, 64, 64, 64),
     (1, 3, 1, 130, 64, 32, 50),
     (1, 2, 1, 77, 15, 7, 32),  # odd d: the cyclic layout lists some pairs twice
+    (1, 4, 2, 100, 32, 33, 40),  # dv = 2 panels of 16 + 1 column; 80 rows per chunk, not a multiple of 6
 ]
 
 
@@ -75,6 +76,22 @@ def test_fused_half_inputs_accumulate_in_fp32(dtype, tol):
     assert o.dtype == dtype
     assert rel_rms(o, o_loop) < 1e-2  # both round the same fp32 result to dtype; ties may differ by one ulp
     assert rel_rms(o, ref) < tol
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_feature_ranges_per_thread_give_the_same_result(threads):
+    """Each thread owns a slice of the state's features; the split must not change the result."""
+    args, factor, exact = problem(1, 6, 2, 150, 16, 20, torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        o, state = quadratic_attention(*args, factor=factor, chunk_size=32, output_final_state=True)
+    finally:
+        torch.set_num_threads(before)
+    with torch_loop():
+        o_loop, state_loop = quadratic_attention(*args, factor=factor, chunk_size=32, output_final_state=True)
+    assert rel_rms(o, o_loop) < 1e-6
+    assert rel_rms(state, state_loop) < 1e-6
 
 
 def test_prefill_then_continue_equals_full():

@@ -63,8 +63,9 @@ def quadratic_chunk_flops(shape: AttnShape, rank: int, chunk: int = 64) -> float
 
     * inter-chunk readout (Eq. 6), ``(g·n, D) @ (D, dv+1)``: ``2·g·n·D·(dv+1)``
     * intra-chunk scores of the factored kernel (Eq. 7), ``(g·R·n, d+1) @ (d+1, n)``: ``2·g·R·n²·(d+1)``
-    * intra-chunk values, ``(g·n, n) @ (n, dv+1)``: ``2·g·n²·(dv+1)`` (the full square: the causal mask is
-      applied by multiplication, not by skipping work)
+    * intra-chunk values, ``(g·n, n) @ (n, dv+1)``: ``2·g·n²·(dv+1)`` (the full square: the torch loop applies
+      the causal mask by multiplication; the fused CPU kernel skips the fully masked 16-key panels of the
+      scores and values, so it does somewhat less than this count)
     * state update (Eq. 5), ``(D, n) @ (n, dv+1)``: ``2·D·n·(dv+1)``
 
     Summed over the chunks this is, per token and for a full chunk c,

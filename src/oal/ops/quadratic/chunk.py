@@ -18,7 +18,7 @@ Layout choices, all for speed on CPUs and a small working set:
 * The intra-chunk kernel comes either from the feature product (any symmetric C) or, given a
   :class:`KernelFactor`, from R score matrices squared and summed (Eq. 7): R·(d+1) instead of D per pair.
 * Without autograd, on CPU, with a factor and no key weights, the fused C++ kernel of :mod:`.cpu` runs the loop
-  (:func:`_forward_fused`): the same arithmetic, one loop per step around the same BLAS GEMMs.
+  (:func:`_forward_fused`): the same arithmetic in its own register-tiled kernel, features never written out.
 * Otherwise without autograd (:func:`_forward_no_grad`) each (batch, KV head) runs on 2-D GEMMs with every per-chunk
   tensor written into a buffer allocated once (cache-hot writes are several times faster than fresh
   allocations) and the constant columns of ``[x, 1]`` and ``[v, 1]`` filled once; with autograd

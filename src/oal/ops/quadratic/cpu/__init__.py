@@ -1,13 +1,15 @@
 """Fused C++ CPU kernel of the chunked operator's no-autograd forward (``chunk.cpp``), compiled on first use.
 
 The torch-level chunk loop spends about as long around its two state GEMMs as in them (features, query weights,
-within-chunk squares, normalisation, each a separate pass and a Python dispatch; see
-``docs/results/bench/README.md``). ``chunk.cpp`` does the same arithmetic with one loop per step around the same
-BLAS calls. It is built with ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed; the build
-is cached by torch, about a minute the first time) and used automatically by
-:func:`oal.ops.quadratic.chunk.chunk_quadratic_attention` when nothing needs autograd, the inputs are CPU fp32 /
-bf16 / fp16, a :class:`~oal.ops.quadratic.utils.KernelFactor` is given and no key weights are. If the build
-fails, a warning is logged once and the torch path runs. ``OAL_CPU_KERNEL=0`` disables it.
+within-chunk squares, normalisation, each a separate pass and a Python dispatch), and MKL's sgemm reaches about
+60 % of the FMA peak on the AMD CPU we measure on (``docs/results/bench/README.md``). ``chunk.cpp`` does the same
+arithmetic in one register-tiled kernel of its own, with each thread owning a slice of the state and the
+features generated block by block in cache, not written out. It is built with
+``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed; the build is cached by torch, about a
+minute the first time) and used automatically by :func:`oal.ops.quadratic.chunk.chunk_quadratic_attention` when
+nothing needs autograd, the inputs are CPU fp32 / bf16 / fp16, a :class:`~oal.ops.quadratic.utils.KernelFactor`
+is given and no key weights are. If the build fails, a warning is logged once and the torch path runs.
+``OAL_CPU_KERNEL=0`` disables it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def load() -> ModuleType | None:
                 # -march=native: one build per instruction set, so a shared cache never runs foreign code
                 name=f"oal_quadratic_cpu_{torch.backends.cpu.get_cpu_capability().lower()}",
                 sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                # -ffp-contract=fast: the tile kernel's `acc += s * b` must compile to fused multiply-adds
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
