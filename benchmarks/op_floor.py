@@ -13,7 +13,9 @@ so that all three share the machine's load swings:
   cache-friendly as they can be). No features, no within-chunk kernel, no normalisation.
 
 An implementation that keeps the packed state and runs these two GEMMs per chunk through this BLAS cannot be
-faster than ``gemm_floor``, so ``sdpa / gemm_floor`` bounds its speed-up over SDPA. Prints the minimum wall time
+faster than ``gemm_floor``, so ``sdpa / gemm_floor`` bounds its speed-up over SDPA. The fused CPU kernel
+(``oal/ops/quadratic/cpu/chunk.cpp``) does not use the BLAS for them (see ``benchmarks/cpu_peak.py``) and can run
+below this floor. Prints the minimum wall time
 of each over ``--repeats`` rounds, the floor's GFLOP/s, the ratios, and optionally writes them as JSON.
 """
 

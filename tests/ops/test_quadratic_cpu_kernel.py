@@ -120,6 +120,33 @@ def test_denominator_and_floor(floor):
         assert (fused.denominator >= floor * count * (1 - 1e-6)).all()
 
 
+@pytest.mark.parametrize("floor", [None, 1e-3])
+def test_key_weights(floor):
+    """Weighted keys (the sink/window wrapper's kernel part): zero weights first, so early rows see no key."""
+    B, Hkv, N = 2, 2, 150
+    args, factor, exact = problem(B, 6, Hkv, N, 16, 20, torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.rand(B, Hkv, N, generator=gen) * (torch.rand(B, Hkv, N, generator=gen) > 0.3)
+    weight[:, :, :5] = 0
+    kw = dict(chunk_size=32, kernel_floor=floor, key_weight=weight, return_denominator=True)
+    fused, loop = both(args, factor, output_final_state=True, **kw)
+    ref = quadratic_attention(*exact, mode="naive", key_weight=weight.double(), kernel_floor=floor,
+                              return_denominator=True)  # fmt: skip
+    assert torch.isfinite(fused.o).all()
+    assert (fused.o[:, :, :5] == 0).all()  # no weighted key yet: output 0, not 0/0
+    assert rel_rms(fused.o, loop.o) < 1e-6
+    assert rel_rms(fused.denominator, loop.denominator) < 1e-6
+    assert rel_rms(fused.final_state, loop.final_state) < 1e-6
+    assert rel_rms(fused.o, ref.o) < 1e-4
+    # prefill with weights, then continue from the state
+    q, k, v, a, b, C = args
+    head = quadratic_attention(q[:, :, :70], k[:, :, :70], v[:, :, :70], a, b, C, factor=factor, chunk_size=32,
+                               kernel_floor=floor, key_weight=weight[:, :, :70], output_final_state=True)  # fmt: skip
+    tail = quadratic_attention(q[:, :, 70:], k[:, :, 70:], v[:, :, 70:], a, b, C, factor=factor, chunk_size=32,
+                               kernel_floor=floor, key_weight=weight[:, :, 70:], initial_state=head[1])  # fmt: skip
+    assert rel_rms(torch.cat([head[0], tail[0]], dim=2), fused.o) < 1e-6
+
+
 def test_gradients_still_use_autograd_path():
     args, factor, _ = problem(1, 3, 1, 40, 16, 16, torch.float32)
     q = args[0].clone().requires_grad_()
@@ -130,12 +157,11 @@ def test_gradients_still_use_autograd_path():
 
 def test_disabled_and_unsupported_calls_use_torch_loop():
     with torch_loop():
-        assert not cpu_kernel.usable(torch.zeros(1), object(), None)
+        assert not cpu_kernel.usable(torch.zeros(1), object())
         assert cpu_kernel.load() is None
-    assert cpu_kernel.usable(torch.zeros(1), object(), None)
-    assert not cpu_kernel.usable(torch.zeros(1, dtype=torch.float64), object(), None)
-    assert not cpu_kernel.usable(torch.zeros(1), None, None)
-    assert not cpu_kernel.usable(torch.zeros(1), object(), torch.ones(1))
+    assert cpu_kernel.usable(torch.zeros(1), object())
+    assert not cpu_kernel.usable(torch.zeros(1, dtype=torch.float64), object())
+    assert not cpu_kernel.usable(torch.zeros(1), None)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -17,7 +17,7 @@ Layout choices, all for speed on CPUs and a small working set:
   only at the ends of a segment.
 * The intra-chunk kernel comes either from the feature product (any symmetric C) or, given a
   :class:`KernelFactor`, from R score matrices squared and summed (Eq. 7): R·(d+1) instead of D per pair.
-* Without autograd, on CPU, with a factor and no key weights, the fused C++ kernel of :mod:`.cpu` runs the loop
+* Without autograd, on CPU, with a factor, the fused C++ kernel of :mod:`.cpu` runs the loop
   (:func:`_forward_fused`): the same arithmetic in its own register-tiled kernel, features never written out.
 * Otherwise without autograd (:func:`_forward_no_grad`) each (batch, KV head) runs on 2-D GEMMs with every per-chunk
   tensor written into a buffer allocated once (cache-hot writes are several times faster than fresh
@@ -105,7 +105,7 @@ def chunk_quadratic_attention(
     args = (q, k, v, a, b, C, s, cs, initial_state, output_final_state, factor, kernel_floor, key_weight)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         o, dens, final = _forward_autograd(*args, return_denominator)
-    elif cpu_kernel.usable(q, factor, key_weight) and (ext := cpu_kernel.load()) is not None:
+    elif cpu_kernel.usable(q, factor) and (ext := cpu_kernel.load()) is not None:
         o, dens, final = _forward_fused(ext, *args, return_denominator)
     else:
         o, dens, final = _forward_no_grad(*args, return_denominator)
@@ -223,13 +223,14 @@ def _forward_fused(
     key_weight,
     return_denominator,
 ):
-    """The no-grad loop in the fused C++ kernel (``cpu/chunk.cpp``; needs ``factor``, no ``key_weight``).
+    """The no-grad loop in the fused C++ kernel (``cpu/chunk.cpp``; needs ``factor``).
     Returns ``(o, dens or None, final or None)`` like :func:`_forward_no_grad`."""
     f32 = torch.float32
     canon_of_cyc, cyc_of_canon = cyclic_maps(q.shape[-1], q.device)
     w, fw, fc, c0 = (x.contiguous() for x in _query_coefficients(a, b, C, factor, s, f32, k.shape[1]))
     state0 = torch.empty(0) if initial_state is None else initial_state.to(f32)[:, :, canon_of_cyc].contiguous()
     floor = -1.0 if kernel_floor is None else float(kernel_floor)
+    weights = torch.empty(0) if key_weight is None else key_weight.to(f32).contiguous()
     o, dens, final = ext.chunk_forward(
         q.contiguous(),
         k.contiguous(),
@@ -239,6 +240,7 @@ def _forward_fused(
         fc,
         c0,
         state0,
+        weights,
         floor,
         cs,
         output_final_state,

@@ -8,7 +8,7 @@ features generated block by block in cache, not written out. It is built with
 ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed; the build is cached by torch, about a
 minute the first time) and used automatically by :func:`oal.ops.quadratic.chunk.chunk_quadratic_attention` when
 nothing needs autograd, the inputs are CPU fp32 / bf16 / fp16, a :class:`~oal.ops.quadratic.utils.KernelFactor`
-is given and no key weights are. If the build fails, a warning is logged once and the torch path runs.
+is given. If the build fails, a warning is logged once and the torch path runs.
 ``OAL_CPU_KERNEL=0`` disables it.
 """
 
@@ -59,12 +59,11 @@ def load() -> ModuleType | None:
     return _state["module"]
 
 
-def usable(q: torch.Tensor, factor: object, key_weight: torch.Tensor | None) -> bool:
+def usable(q: torch.Tensor, factor: object) -> bool:
     """Whether a call with these arguments can run on the fused kernel (before building it)."""
     return (
         _enabled[0]
         and q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and factor is not None
-        and key_weight is None
     )

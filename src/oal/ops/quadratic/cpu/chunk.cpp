@@ -1,9 +1,10 @@
 // Fused CPU forward of the chunked quadratic-kernel operator (the no-autograd path of ../chunk.py).
 //
 // Same arithmetic as _forward_no_grad with a KernelFactor: per (batch, KV head) and chunk of n tokens
-//   num  = kern @ v  +  φ_q(Q) @ S,   den = Σ_j kern  +  φ_q(Q) · z      (intra-chunk part + readout, Eq. 6)
-//   S   += φ_k(K)ᵀ @ v,               z  += Σ_j φ_k(k_j)                (state update, Eq. 5)
+//   num  = kern @ u  +  φ_q(Q) @ S,   den = kern @ w  +  φ_q(Q) · z      (intra-chunk part + readout, Eq. 6)
+//   S   += φ_k(K)ᵀ @ u,               z  += φ_k(K)ᵀ @ w                 (state update, Eq. 5)
 //   o    = num / max(den, floor · count)
+// where u_j = w_j v_j with the key weights w (all 1 without them) and count the sum of the weights so far.
 // with φ in the cyclic layout of utils.cyclic_maps (feature f = r·P + δ is x'_r · x'_{(r+δ) mod e}, x' = [x, 1])
 // and kern[i, j] = c0 + Σ_m (c_m + scale·(q_i ⊙ W_m)·k_j)² for j ≤ i (Eq. 7).
 //
@@ -101,8 +102,8 @@ inline void query_features(const float* y, const float* w, int64_t P, int64_t fa
 
 template <typename T>
 std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& fw,
-                            const Tensor& fc, const Tensor& c0, const Tensor& state0, double kernel_floor,
-                            int64_t chunk, bool want_final, bool want_dens) {
+                            const Tensor& fc, const Tensor& c0, const Tensor& state0, const Tensor& key_weight,
+                            double kernel_floor, int64_t chunk, bool want_final, bool want_dens) {
   const int64_t B = q.size(0), Hq = q.size(1), N = q.size(2), d = q.size(3);
   const int64_t Hkv = k.size(1), dv = v.size(3), G = Hq / Hkv, e = d + 1, e2 = 2 * e, P = e / 2 + 1, Dc = e * P;
   const int64_t R = fc.size(2), cs = std::min(chunk, N), one_row = d * P;
@@ -130,7 +131,9 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
   const T *Q = q.data_ptr<T>(), *K = k.data_ptr<T>(), *V = v.data_ptr<T>();
   T* O = o.data_ptr<T>();
   float* DENS = want_dens ? dens.data_ptr<float>() : nullptr;
-  const bool floored = kernel_floor >= 0;
+  const bool floored = kernel_floor >= 0, weighted = key_weight.numel() > 0;
+  const float* KW = weighted ? key_weight.data_ptr<float>() : nullptr;
+  std::vector<float> ones(cs, 1.f), counts(cs);
 
   for (int64_t bh = 0; bh < B * Hkv; ++bh) {
     const int64_t bi = bh / Hkv, h = bh % Hkv;
@@ -144,7 +147,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
     } else {
       std::fill(S, S + tiles * Dc * kTile + Dc, 0.f);
     }
-    const double seen = Z[one_row];  // keys before this segment (the count of the constant feature)
+    double seen = Z[one_row];  // (weighted) keys before this segment: the count of the constant feature
     const T* qh = Q + (bi * Hq + h * G) * N * d;
     const T* kh = K + bh * N * d;
     const T* vh = V + bh * N * dv;
@@ -157,6 +160,8 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
 
     for (int64_t start = 0; start < N; start += cs) {
       const int64_t n = std::min(cs, N - start), rows = G * n, np = (n + kTile - 1) / kTile * kTile;
+      const float* wk = weighted ? KW + bh * N + start : ones.data();
+      for (int64_t j = 0; j < n; ++j) counts[j] = static_cast<float>(seen += wk[j]);
       // doubled [q, 1] rows (g, i); doubled [k, 1] token-contiguous (for the update); [k, 1] in 16-token panels and
       // v in 16-column panels (for the intra-chunk part)
       at::parallel_for(0, rows + n, 16, [&](int64_t lo, int64_t hi) {
@@ -177,7 +182,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
             ykt[d * n + j] = ykt[(d + e) * n + j] = yp[d * kTile] = 1.f;
             const T* vx = vh + (start + j) * dv;
             for (int64_t c = 0; c < dvp; ++c)
-              ut[(c / kTile * n + j) * kTile + c % kTile] = c < dv ? static_cast<float>(vx[c]) : 0.f;
+              ut[(c / kTile * n + j) * kTile + c % kTile] = c < dv ? wk[j] * static_cast<float>(vx[c]) : 0.f;
           }
         }
       });
@@ -192,8 +197,6 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
           const int64_t width = r0 / n == (r0 + mr - 1) / n ? (r0 + mr - 1) % n + 1 : n;
           const int64_t wt = (width + kTile - 1) / kTile;
           std::fill(kb, kb + mr * np, 0.f);
-          for (int64_t a = 0; a < mr; ++a)
-            den[r0 + a] = c0h[(r0 + a) / n] * static_cast<float>((r0 + a) % n + 1);  // Σ_{j ≤ i} c0
           for (int64_t m = 0; m < R; ++m) {
             for (int64_t a = 0; a < mr; ++a) {
               const int64_t gm = (r0 + a) / n * R + m;
@@ -210,13 +213,13 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
               const float* zr = zb + a * np;
               float* kr = kb + a * np;
               for (int64_t j = 0; j <= i; ++j) kr[j] += zr[j] * zr[j];
-              den[r0 + a] += dot(zr, zr, i + 1);
             }
           }
           for (int64_t a = 0; a < mr; ++a) {
             const float c = c0h[(r0 + a) / n];
             float* kr = kb + a * np;
             for (int64_t j = 0; j <= (r0 + a) % n; ++j) kr[j] += c;
+            den[r0 + a] = dot(kr, wk, (r0 + a) % n + 1);
           }
           float* nr = num + r0 * dvp;
           std::fill(nr, nr + mr * dvp, 0.f);
@@ -252,7 +255,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
               const float *ya = ykt + r * n, *yb = ykt + (r + f - r * P) * n;
               float* a = blk + i * n;
               for (int64_t j = 0; j < n; ++j) a[j] = ya[j] * yb[j];
-              Z[f] += dot(ya, yb, n);
+              Z[f] += dot(a, wk, n);
             }
             for (int64_t t = 0; t < tiles; ++t)
               tile_rows(mr, blk, n, ut + t * n * kTile, n, S + (t * Dc + f0) * kTile, kTile);
@@ -271,8 +274,9 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
             for (int64_t c = 0; c < dv; ++c) nr[c] += pr[c];
             dn += part[rows * dvp + row];
           }
-          if (floored) dn = std::max(dn, static_cast<float>((seen + start + i + 1) * kernel_floor));
+          if (floored) dn = std::max(dn, counts[i] * static_cast<float>(kernel_floor));
           if (dh) dh[g * N + start + i] = dn;
+          if (weighted && counts[i] <= 0.f) dn = 1.f;  // no key with weight > 0 yet: output 0, not 0/0
           T* orow = oh + (g * N + start + i) * dv;
           for (int64_t c = 0; c < dv; ++c) orow[c] = static_cast<T>(nr[c] / dn);
         }
@@ -293,17 +297,20 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
 
 // q (B, Hq, N, d), k (B, Hkv, N, d), v (B, Hkv, N, dv): contiguous, one dtype among fp32 / bf16 / fp16.
 // w (Hkv, G, e, P), fw (Hkv, G, R, d) (scale folded in), fc (Hkv, G, R), c0 (Hkv, G): contiguous fp32.
-// state0: (B, Hkv, e·P, dv+1) fp32 in the cyclic layout, or empty. kernel_floor < 0: no floor.
+// state0: (B, Hkv, e·P, dv+1) fp32 in the cyclic layout, or empty. key_weight: (B, Hkv, N) fp32, or empty.
+// kernel_floor < 0: no floor.
 // Returns [o (q's dtype), dens (B, Hkv, G, N) or empty, final state (cyclic layout) or empty].
 std::vector<Tensor> chunk_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& fw,
-                                  const Tensor& fc, const Tensor& c0, const Tensor& state0, double kernel_floor,
-                                  int64_t chunk, bool want_final, bool want_dens) {
+                                  const Tensor& fc, const Tensor& c0, const Tensor& state0,
+                                  const Tensor& key_weight, double kernel_floor, int64_t chunk, bool want_final,
+                                  bool want_dens) {
   std::vector<Tensor> out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "oal_chunk_forward", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "q: the fused CPU kernel computes in fp32; fp64 inputs use the torch path");
     } else {
-      out = forward<scalar_t>(q, k, v, w, fw, fc, c0, state0, kernel_floor, chunk, want_final, want_dens);
+      out = forward<scalar_t>(q, k, v, w, fw, fc, c0, state0, key_weight, kernel_floor, chunk, want_final,
+                              want_dens);
     }
   });
   return out;
