@@ -1,13 +1,13 @@
 """Fused C++ CPU kernel of the chunked operator's no-autograd forward (``chunk.cpp``), compiled on first use.
 
 The torch-level chunk loop spends about as long around its two state GEMMs as in them (features, query weights,
-within-chunk squares, normalisation, each a separate pass and a Python dispatch), and MKL's sgemm reaches about
-60 % of the FMA peak on the AMD CPU we measure on (``docs/results/bench/README.md``). ``chunk.cpp`` does the same
-arithmetic in one register-tiled kernel of its own, with each thread owning a slice of the state and the
-features generated block by block in cache, not written out. It is built with
+within-chunk squares, normalisation, each a separate pass and a Python dispatch), and MKL's sgemm reaches 60–70 %
+of the FMA peak on the AMD CPU we measure on (``benchmarks/cpu_peak.py``, ``docs/results/bench/README.md``).
+``chunk.cpp`` does the same arithmetic in one register-tiled kernel of its own, with each thread owning a slice of
+the state and the features generated block by block in cache, not written out. It is built with
 ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed; the build is cached by torch, about a
 minute the first time) and used automatically by :func:`oal.ops.quadratic.chunk.chunk_quadratic_attention` when
-nothing needs autograd, the inputs are CPU fp32 / bf16 / fp16, a :class:`~oal.ops.quadratic.utils.KernelFactor`
+nothing needs autograd, the inputs are CPU fp32 / bf16 / fp16 and a :class:`~oal.ops.quadratic.utils.KernelFactor`
 is given. If the build fails, a warning is logged once and the torch path runs.
 ``OAL_CPU_KERNEL=0`` disables it.
 """

@@ -4,17 +4,17 @@
 //   num  = kern @ u  +  φ_q(Q) @ S,   den = kern @ w  +  φ_q(Q) · z      (intra-chunk part + readout, Eq. 6)
 //   S   += φ_k(K)ᵀ @ u,               z  += φ_k(K)ᵀ @ w                 (state update, Eq. 5)
 //   o    = num / max(den, floor · count)
-// where u_j = w_j v_j with the key weights w (all 1 without them) and count the sum of the weights so far.
-// with φ in the cyclic layout of utils.cyclic_maps (feature f = r·P + δ is x'_r · x'_{(r+δ) mod e}, x' = [x, 1])
-// and kern[i, j] = c0 + Σ_m (c_m + scale·(q_i ⊙ W_m)·k_j)² for j ≤ i (Eq. 7).
+// with u_j = w_j v_j for key weights w (all 1 without them), count the sum of the weights so far, φ in the cyclic
+// layout of utils.cyclic_maps (feature f = r·P + δ is x'_r · x'_{(r+δ) mod e}, x' = [x, 1]) and
+// kern[i, j] = c0 + Σ_m (c_m + scale·(q_i ⊙ W_m)·k_j)² for j ≤ i (Eq. 7).
 //
 // None of it goes through the BLAS. The two state products are nearly all the work; through the BLAS they
 // need φ_q and φ_k written out (G·n·D and n·D floats per chunk) and packed again, and on the AMD CPU we
-// measure on, MKL's sgemm reaches about 60 % of the FMA peak. Here one register-tiled kernel (6 rows x 16 columns of accumulators,
-// tile_kernel) runs every product on features generated block by block into L1, and each thread owns a contiguous
-// range of features: it keeps its slice of the state (stored as 16-column panels) in its own cache, reads it out
-// and updates it, so only the per-thread partial outputs cross threads. The intra-chunk scores use the same kernel
-// and skip the key columns that the causal mask zeroes.
+// measure on, MKL's sgemm reaches 60-70 % of the FMA peak (benchmarks/cpu_peak.py). Here one register-tiled
+// kernel (6 rows x 16 columns of accumulators, tile_kernel) runs every product on features generated block by
+// block into L1, and each thread owns a contiguous range of features: it keeps its slice of the state (stored as
+// 16-column panels) in its own cache, reads it out and updates it, so only the per-thread partial outputs cross
+// threads. The intra-chunk scores use the same kernel and skip the key columns that the causal mask zeroes.
 #include <torch/extension.h>
 
 #include <ATen/Dispatch.h>
