@@ -18,7 +18,6 @@ AMD EPYC we measure on MKL's sgemm reaches 60–70 % of this peak.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from oal.bench.devices import cpu_model
+from oal.bench.op import write_json_atomic
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -119,9 +119,7 @@ def main() -> None:
             "machine": {"cpu": cpu_model(), "torch": torch.__version__, "mkl": torch.backends.mkl.is_available()},
             "rows": rows,
         }
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.replace(args.json)
+        write_json_atomic(args.json, doc)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ of each over ``--repeats`` rounds, the floor's GFLOP/s, the ratios, and optional
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from datetime import datetime, timezone
 from functools import partial
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from oal.bench.devices import cpu_model
 from oal.bench.flops import AttnShape, chunk_sizes
 from oal.bench.methods import random_oal_kernel
+from oal.bench.op import write_json_atomic
 from oal.ops.quadratic.utils import feature_dim
 
 
@@ -122,9 +122,7 @@ def main() -> None:
             "machine": {"cpu": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads()},
             "rows": rows,
         }
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.replace(args.json)
+        write_json_atomic(args.json, doc)
 
 
 if __name__ == "__main__":
