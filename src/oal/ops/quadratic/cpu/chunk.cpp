@@ -108,6 +108,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
   const int64_t Hkv = k.size(1), dv = v.size(3), G = Hq / Hkv, e = d + 1, e2 = 2 * e, P = e / 2 + 1, Dc = e * P;
   const int64_t R = fc.size(2), cs = std::min(chunk, N), one_row = d * P;
   const int64_t tiles = (dv + kTile - 1) / kTile, dvp = tiles * kTile;  // value columns padded to whole panels
+  // one feature range per thread, each at least four 6-feature update blocks long
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), Dc / (4 * kRows)));
   const auto f32 = q.options().dtype(at::kFloat);
 
