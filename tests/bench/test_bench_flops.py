@@ -71,12 +71,8 @@ def test_quadratic_flops_match_dispatched_products(hq, hkv, groups):
     q, k, v = torch.randn(1, hq, n, d), torch.randn(1, hkv, n, d), torch.randn(1, hkv, n, dv)
     # the torch chunk loop: the fused CPU kernel runs the same products in its own tile kernel, which no
     # dispatch mode sees
-    previous = cpu_kernel.set_enabled(False)
-    try:
-        with torch.no_grad(), MatmulFlops() as counter:
-            quadratic_attention(q, k, v, a, b, C, factor=factor, kernel_floor=1e-6, chunk_size=64)
-    finally:
-        cpu_kernel.set_enabled(previous)
+    with cpu_kernel.disabled(), torch.no_grad(), MatmulFlops() as counter:
+        quadratic_attention(q, k, v, a, b, C, factor=factor, kernel_floor=1e-6, chunk_size=64)
     assert counter.flops == quadratic_chunk_flops(AttnShape(1, hq, hkv, n, d, dv), rank=groups + 1, chunk=64)
 
 

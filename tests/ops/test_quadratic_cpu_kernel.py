@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -18,16 +16,6 @@ EXT = cpu_kernel.load()
 pytestmark = pytest.mark.skipif(EXT is None, reason="the fused CPU kernel did not build (no C++ compiler?)")
 
 
-@contextmanager
-def torch_loop():
-    """Run the body with the fused kernel switched off (the torch no-grad loop), then restore the setting."""
-    previous = cpu_kernel.set_enabled(False)
-    try:
-        yield
-    finally:
-        cpu_kernel.set_enabled(previous)
-
-
 def problem(B, Hq, Hkv, N, d, dv, dtype, G=5):
     q, k, v = make_inputs(B, Hq, Hkv, N, d, dv)
     _, _, (a, b, C), factor = random_oal(Hq, d, G=G)
@@ -38,7 +26,7 @@ def problem(B, Hq, Hkv, N, d, dv, dtype, G=5):
 def both(args, factor, **kw):
     """(fused, torch loop) outputs of the same call."""
     fused = quadratic_attention(*args, factor=factor, **kw)
-    with torch_loop():
+    with cpu_kernel.disabled():
         loop = quadratic_attention(*args, factor=factor, **kw)
     return fused, loop
 
@@ -88,7 +76,7 @@ def test_feature_ranges_per_thread_give_the_same_result(threads):
         o, state = quadratic_attention(*args, factor=factor, chunk_size=32, output_final_state=True)
     finally:
         torch.set_num_threads(before)
-    with torch_loop():
+    with cpu_kernel.disabled():
         o_loop, state_loop = quadratic_attention(*args, factor=factor, chunk_size=32, output_final_state=True)
     assert rel_rms(o, o_loop) < 1e-6
     assert rel_rms(state, state_loop) < 1e-6
@@ -156,7 +144,7 @@ def test_gradients_still_use_autograd_path():
 
 
 def test_disabled_and_unsupported_calls_use_torch_loop():
-    with torch_loop():
+    with cpu_kernel.disabled():
         assert not cpu_kernel.usable(torch.zeros(1), object())
         assert cpu_kernel.load() is None
     assert cpu_kernel.usable(torch.zeros(1), object())

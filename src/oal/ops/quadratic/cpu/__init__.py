@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -28,11 +30,15 @@ _state: dict[str, ModuleType | None] = {}
 _enabled = [os.environ.get("OAL_CPU_KERNEL", "1") != "0"]
 
 
-def set_enabled(flag: bool) -> bool:
-    """Turn the fused kernel on or off for this process; returns the previous setting."""
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Run the body on the torch chunk loop (the fused kernel off), then restore the previous setting."""
     previous = _enabled[0]
-    _enabled[0] = bool(flag)
-    return previous
+    _enabled[0] = False
+    try:
+        yield
+    finally:
+        _enabled[0] = previous
 
 
 def load() -> ModuleType | None:
