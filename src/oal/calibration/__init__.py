@@ -2,7 +2,7 @@
 
 from .config import QKV, CalibrationConfig
 from .layer import LayerResult, calibrate_layer
-from .runner import calibrate_layers, load_calibrated, load_calibrated_state
+from .runner import calibrate_layers, calibrated_layers, load_calibrated, load_calibrated_state
 from .sampling import Schedule, layer_generator, make_schedule
 from .stats import OutputStats, factor_mse, grouped_output_stats, pair_map, pair_weights, stats_mse
 
@@ -14,6 +14,7 @@ __all__ = [
     "Schedule",
     "calibrate_layer",
     "calibrate_layers",
+    "calibrated_layers",
     "load_calibrated",
     "load_calibrated_state",
     "factor_mse",

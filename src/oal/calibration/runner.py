@@ -221,6 +221,12 @@ def _params_file(path: str | os.PathLike) -> Path:
     return f
 
 
+def calibrated_layers(path: str | os.PathLike) -> set[int]:
+    """The layers a calibration directory (or its params.safetensors) holds parameters for."""
+    keys = load_tensors(_params_file(path), what="calibration")[0]
+    return {int(k.split(".")[1]) for k in keys if k.startswith("layers.")}
+
+
 def load_calibrated_state(path: str | os.PathLike, layer: int) -> dict[str, torch.Tensor]:
     """The calibrated ``state_dict`` of one layer from a calibration directory (or its params.safetensors;
     use ``<dir>/global`` for the learned global quadratic calibrated alongside OAL)."""

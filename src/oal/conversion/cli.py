@@ -32,6 +32,8 @@ _OPTION_OF = {
     "seed": "--seed",
     "dtype": "--dtype",
     "device": "--device",
+    "recipe": "--recipe",
+    "out": "--out",
 }
 
 
@@ -60,9 +62,40 @@ def convert(
     groups: Annotated[Path | None, typer.Option("--groups", help="Dimension groups JSON (`oal group`).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the baselines' random projections.")] = 0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --out directory.")] = False,
+    recipe: Annotated[
+        str | None,
+        typer.Option(
+            "--recipe",
+            help="Run a whole conversion recipe (calibration, exact heads; oal.conversion.recipe) instead: "
+            "'retrieval' (the default recipe) or 'kernel-only'. --kernel/--layers/--calibrated/--groups then "
+            "do not apply.",
+        ),
+    ] = None,
+    data: Annotated[Path | None, typer.Option("--data", help="With --recipe: data folder (default $OAL_DATA_DIR).")] = (
+        None
+    ),
 ) -> None:
     """Replace the attention of a layer range by a kernel and save the converted model (loads with
-    `oal.models.load_model(DIR)`)."""
+    `oal.models.load_model(DIR)`), or run a whole conversion recipe (`--recipe retrieval`)."""
+    if recipe is not None:
+        from .recipe import RECIPES, run_recipe
+
+        if recipe not in RECIPES:
+            raise typer.BadParameter(f"expected one of {', '.join(RECIPES)}, got {recipe!r}", param_hint="--recipe")
+        if layers or calibrated is not None or groups is not None or kernel != "oal":
+            raise typer.BadParameter(
+                "--recipe fixes the kernel, layers and calibration; leave --kernel/--layers/--calibrated/--groups out",
+                param_hint="--recipe",
+            )
+        try:
+            record = run_recipe(recipe, out, model_name=model, data_dir=data, overwrite=overwrite)
+        except (ValueError, FileNotFoundError, FileExistsError) as err:
+            raise _bad(err) from err
+        Console(stderr=True).print(
+            f"recipe {recipe!r}: {sum(map(len, record['exact_heads'].values()))} exact KV heads, stages "
+            f"{record['seconds']} s; wrote {out}"
+        )
+        return
     from ..kernels import KERNELS
     from ..kernels.registry import SINK_WINDOW_KERNELS
     from ..models import load_model, load_tokenizer

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
@@ -52,6 +53,8 @@ __all__ = [
 ]
 
 FORMAT = "oal-conversion/1"
+#: the kernels' tensors of a directory saved with ``base_weights`` (the base weights are not copied)
+KERNELS_FILE = "kernels.safetensors"
 CONFIG_KEY = "oal_conversion"
 #: Softmax layers kept at each end by default (LoLCATs-style hybrid; App. F uses 3 for Qwen2.5-0.5B).
 KEEP_SOFTMAX = 3
@@ -362,9 +365,15 @@ def save_converted(
     *,
     tokenizer: PreTrainedTokenizerBase | None = None,
     overwrite: bool = False,
+    base_weights: str | None = None,
 ) -> Path:
     """Write a converted model (``save_pretrained``: config with the conversion record, safetensors weights
     including the kernels, generation config) and the tokenizer if given, to ``out_dir``.
+
+    ``base_weights`` (e.g. ``"smollm2-135m"``, a Hub id or a directory, as :func:`oal.models.load_model` takes
+    it): write only the kernels' tensors (``kernels.safetensors``, a few MB) and the config, recording that the
+    unchanged base weights come from ``base_weights``; :func:`load_converted` then loads them from there and
+    checks that their architecture matches the saved config.
 
     The directory is written next to its target and renamed into place, so an interrupted save leaves nothing
     half-written. A non-empty ``out_dir`` is replaced only with ``overwrite=True``."""
@@ -378,6 +387,11 @@ def save_converted(
         )
     # Refresh the configs: a kernel may have been replaced (e.g. after fine-tuning) since convert_model.
     info = {**info, "kernel_configs": {str(i): kernel_config(k) for i, k in sorted(kernels.items())}}
+    info.pop("base_weights", None)
+    if base_weights is not None:
+        if not isinstance(base_weights, str) or not base_weights:
+            raise ValueError(f"base_weights: expected a model name, Hub id or directory, got {base_weights!r}")
+        info["base_weights"] = base_weights
     setattr(model.config, CONFIG_KEY, info)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -390,7 +404,18 @@ def save_converted(
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result should look like any new directory
     try:
-        model.save_pretrained(tmp)
+        if base_weights is None:
+            model.save_pretrained(tmp)
+        else:
+            model.config.save_pretrained(tmp)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(tmp)
+            state = {
+                key: t.detach().cpu().contiguous()
+                for key, t in model.state_dict().items()
+                if _KERNEL_TENSOR.fullmatch(key) is not None
+            }
+            save_file(state, str(tmp / KERNELS_FILE), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if out.exists():
@@ -417,6 +442,8 @@ def is_converted_dir(path: str | os.PathLike) -> bool:
 
 
 def _weight_files(path: Path) -> list[Path]:
+    if (path / KERNELS_FILE).is_file():
+        return [path / KERNELS_FILE]
     index = path / "model.safetensors.index.json"
     if index.is_file():
         return [path / name for name in sorted(set(read_json(index, what="weights index")["weight_map"].values()))]
@@ -447,26 +474,13 @@ def _check_record(info: object, where: str) -> dict:
     return info
 
 
-def load_converted(
-    path: str | os.PathLike,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    attn_implementation: str | None = None,
-) -> PreTrainedModel:
-    """Load a model written by :func:`save_converted`: the base model in ``dtype``, the kernels (fp32 or their
-    own dtype) rebuilt from the recorded configs and loaded from the saved tensors; in eval mode on ``device``.
-
-    Raises ValueError when the saved kernel tensors do not match the recorded configs (names, shapes, groups)
-    or the base weights do not match the architecture."""
-    path = Path(path)
-    where = str(path)
-    info = _check_record(read_json(path / "config.json", what="model config").get(CONFIG_KEY), where)
+def _load_full(path: Path, *, dtype: torch.dtype, attn_implementation: str | None) -> PreTrainedModel:
+    """The base model from the weights saved beside the kernels (``save_pretrained``)."""
     kwargs: dict[str, Any] = {"dtype": dtype, "output_loading_info": True}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     # The kernel tensors are unknown to the base architecture: transformers would report them as unexpected
-    # keys; they are checked and loaded below instead.
+    # keys; they are checked and loaded by load_converted instead.
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
@@ -476,10 +490,68 @@ def load_converted(
     unexpected = {k for k in loading["unexpected_keys"] if _KERNEL_TENSOR.fullmatch(k) is None}
     if loading["missing_keys"] or loading["mismatched_keys"] or unexpected:
         raise ValueError(
-            f"{where}: the saved weights do not match the base architecture (missing {sorted(loading['missing_keys'])},"
+            f"{path}: the saved weights do not match the base architecture (missing {sorted(loading['missing_keys'])},"
             f" unexpected {sorted(unexpected)}, mismatched {sorted(map(str, loading['mismatched_keys']))})"
         )
+    return model
+
+
+#: config fields that must agree between a kernels-only directory and the base weights it names
+_ARCH_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rope_theta",
+    "tie_word_embeddings",
+)
+
+
+def _load_base(path: Path, base: str, *, dtype: torch.dtype, attn_implementation: str | None) -> PreTrainedModel:
+    """The unchanged base model a kernels-only directory names, checked against its saved config."""
+    from ..models.loading import load_model
+
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = load_model(base, dtype=dtype, **kwargs)
+    saved = read_json(path / "config.json", what="model config")
+    ours = model.config.to_dict()
+    differ = [f for f in _ARCH_FIELDS if f in saved and saved.get(f) != ours.get(f)]
+    if differ:
+        raise ValueError(
+            f"{path}: the base weights {base!r} do not match the saved config in {differ} "
+            f"(saved {[saved.get(f) for f in differ]}, base {[ours.get(f) for f in differ]})"
+        )
+    return model
+
+
+def load_converted(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
+) -> PreTrainedModel:
+    """Load a model written by :func:`save_converted`: the base model in ``dtype`` (from the directory, or from
+    the recorded ``base_weights`` of a kernels-only directory), the kernels (fp32 or their own dtype) rebuilt from
+    the recorded configs and loaded from the saved tensors; in eval mode on ``device``.
+
+    Raises ValueError when the saved kernel tensors do not match the recorded configs (names, shapes, groups)
+    or the base weights do not match the architecture."""
+    path = Path(path)
+    where = str(path)
+    info = _check_record(read_json(path / "config.json", what="model config").get(CONFIG_KEY), where)
+    if info.get("base_weights") is not None:
+        model = _load_base(path, info["base_weights"], dtype=dtype, attn_implementation=attn_implementation)
+        setattr(model.config, CONFIG_KEY, info)
+    else:
+        model = _load_full(path, dtype=dtype, attn_implementation=attn_implementation)
     tensors = _saved_kernel_tensors(path)
+
     if sorted(tensors) != sorted(info["layers"]):
         raise ValueError(
             f"{where}: the saved weights hold kernels for layers {sorted(tensors)}, but config.json records the "

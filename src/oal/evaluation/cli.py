@@ -16,7 +16,8 @@ from rich.table import Table
 from ..errors import cli_errors
 from .loading import load_model_and_tokenizer
 from .perplexity import check_block_args
-from .runner import ALL_TASKS, PAPER_BLOCK_LEN, check_tasks, evaluate
+from .retrieval import RETRIEVAL_TASKS
+from .runner import ALL_TASKS, KNOWN_TASKS, PAPER_BLOCK_LEN, RETRIEVAL_LENGTHS, check_tasks, evaluate
 from .tasks import SOURCES
 from .utils import check_limit, default_device, parse_dtype, write_json_atomic
 
@@ -31,8 +32,13 @@ def _results_table(out: dict) -> Table:
         n = out["n-samples"][task]["effective"]
         t = f"{out['config']['time_s'][task]:.0f} s"
         src = out["config"]["data_source"][task].split(",")[0]
-        if task == "wikitext":
+        if "perplexity,none" in res:
             table.add_row(task, f"{n} blk", f"PPL {res['perplexity,none']:.3f}", "", "", src, t)
+        elif task in RETRIEVAL_TASKS:
+            per = ", ".join(
+                f"{k.split('@')[1].split(',')[0]}: {100 * v:.0f}%" for k, v in res.items() if k.startswith("acc@")
+            )
+            table.add_row(task, str(n), f"acc {100 * res['acc,none']:.1f}%", per, "", src, t)
         else:
             table.add_row(
                 task,
@@ -63,9 +69,23 @@ def register(app: typer.Typer) -> None:
             str | None,
             typer.Option("--base-model", help="With a fine-tuning run: the backbone (default: the one it recorded)."),
         ] = None,
-        tasks: Annotated[str, typer.Option("--tasks", help=f"Comma-separated subset of {','.join(ALL_TASKS)}.")] = (
-            ",".join(ALL_TASKS)
-        ),
+        tasks: Annotated[
+            str,
+            typer.Option(
+                "--tasks",
+                help=f"Comma-separated subset of {','.join(KNOWN_TASKS)} ('' with --text: only the text files).",
+            ),
+        ] = ",".join(ALL_TASKS),
+        text: Annotated[
+            list[Path] | None,
+            typer.Option("--text", help="A local text file for perplexity (task text:<stem>), repeatable."),
+        ] = None,
+        lengths: Annotated[
+            str, typer.Option("--lengths", help="Retrieval context lengths in tokens, comma-separated.")
+        ] = ",".join(map(str, RETRIEVAL_LENGTHS)),
+        trials: Annotated[int, typer.Option("--trials", help="Retrieval prompts per context length.")] = 20,
+        n_keys: Annotated[int, typer.Option("--n-keys", help="Key-value pairs per multikey prompt.")] = 4,
+        seed: Annotated[int, typer.Option("--seed", help="Seed of the retrieval prompts.")] = 0,
         limit: Annotated[
             int | None, typer.Option("--limit", help="First N items of each multiple-choice task (default: all).")
         ] = None,
@@ -91,7 +111,22 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Evaluate a causal LM per App. F.3: WikiText PPL and zero-shot PIQA / HellaSwag / ARC-E."""
         console = Console()
-        task_list = check_tasks([t.strip() for t in tasks.split(",") if t.strip()])
+        task_list = [t.strip() for t in tasks.split(",") if t.strip()]
+        if task_list or not text:
+            task_list = check_tasks(task_list)
+        try:
+            length_list = [int(x) for x in lengths.split(",") if x.strip()]
+        except ValueError:
+            raise typer.BadParameter(
+                f"expected comma-separated integers, got {lengths!r}", param_hint="--lengths"
+            ) from None
+        if any(n < 16 for n in length_list) or not length_list:
+            raise typer.BadParameter(f"expected lengths >= 16 tokens, got {lengths!r}", param_hint="--lengths")
+        if trials < 1:
+            raise typer.BadParameter(f"expected an int >= 1, got {trials}", param_hint="--trials")
+        for f in text or []:
+            if not f.is_file():
+                raise typer.BadParameter(f"no such file: {f}", param_hint="--text")
         torch_dtype = parse_dtype(dtype)
         check_limit(limit)
         check_block_args(block_len, max_blocks)
@@ -114,6 +149,11 @@ def register(app: typer.Typer) -> None:
             device=dev,
             progress=progress,
             model_name=model,
+            texts=text or [],
+            retrieval_lengths=length_list,
+            trials=trials,
+            n_keys=n_keys,
+            seed=seed,
         )
         results["config"]["command"] = shlex.join(["oal", *sys.argv[1:]])
         console.print(_results_table(results))

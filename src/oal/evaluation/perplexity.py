@@ -13,6 +13,7 @@ import torch
 from rich.progress import track
 from transformers import PreTrainedModel
 
+from ..data.tokens import split_blocks, tokenize
 from .utils import model_device
 
 
@@ -21,6 +22,19 @@ def check_block_args(block_len: int, max_blocks: int | None = None) -> None:
         raise ValueError(f"block_len: expected an int >= 2 (one context and one target token), got {block_len!r}")
     if max_blocks is not None and (isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1):
         raise ValueError(f"max_blocks: expected None or an int >= 1, got {max_blocks!r}")
+
+
+def text_blocks(tokenizer, text: str, block_len: int, *, what: str = "text") -> tuple[torch.Tensor, int]:
+    """Any text as F.3 blocks: tokenised as one stream without BOS/EOS and cut into non-overlapping
+    ``(n, block_len)`` blocks (the incomplete last one dropped); returns the blocks and n."""
+    if not text.strip():
+        raise ValueError(f"{what}: the text is empty")
+    ids = tokenize(tokenizer, text, cache=False)
+    try:
+        out = split_blocks(ids, block_len)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    return out, out.shape[0]
 
 
 def block_nll(logits: torch.Tensor, ids: torch.Tensor, *, chunk_size: int = 1024) -> torch.Tensor:

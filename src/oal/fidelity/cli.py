@@ -105,14 +105,14 @@ def run_calibrate(
 
     ``init_from`` (sink/window kernels only): a calibration directory of the inner kernel (``oal``, or
     ``<oal dir>/global`` / a ``global`` run); its factor initialises L and β starts from
-    :meth:`SinkWindowKernel.match_beta_` on the training blocks. Without it, the registry's initial values
-    (Taylor factor, β = 0) are the initialisation.
+    :meth:`SinkWindowKernel.match_beta_` on the training blocks. Without it, and for layers it does not hold,
+    the registry's initial values (Taylor factor, β = 0) are the initialisation.
 
     Under ``torchrun``/``accelerate launch`` with several processes (:func:`oal.distributed.current_processes`)
     the blocks to capture and the layers to calibrate are shared out round robin; process 0 writes the combined
     results (docs/distributed.md). The parameters are the same as with one process.
     """
-    from ..calibration import QKV, CalibrationConfig, calibrate_layers, load_calibrated
+    from ..calibration import QKV, CalibrationConfig, calibrate_layers, calibrated_layers, load_calibrated
     from ..distributed import current_processes
     from ..kernels import SinkWindowKernel
     from .methods import Geometry, build, check_name, has_trainable, init_sink_window_from, load_groups, needs_groups
@@ -161,6 +161,9 @@ def run_calibrate(
     )
 
     kernels: dict[int, object] = {}
+    init_layers = set() if init_from is None else calibrated_layers(init_from)
+    if init_from is not None and not init_layers & set(layers):
+        raise typer.BadParameter(f"{init_from} holds none of the layers {layers}", param_hint="--init-from")
 
     def layer_data(i: int) -> tuple[QKV, QKV]:
         tr, va = qkv.layer(i, train_blocks), qkv.layer(i, val_blocks)
@@ -169,7 +172,7 @@ def run_calibrate(
     def make_kernel(i: int):
         if i not in kernels:
             k = build(kernel, geom, i, groups=groups, seed=seed, n_sink=n_sink, window=window)
-            if init_from is not None and isinstance(k, SinkWindowKernel):
+            if init_from is not None and isinstance(k, SinkWindowKernel) and i in init_layers:
                 init_sink_window_from(k, load_calibrated(init_from, i))
                 tr = qkv.layer(i, train_blocks)
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + i)

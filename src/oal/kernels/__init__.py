@@ -2,6 +2,7 @@
 
 from .base import AttentionKernel, SoftmaxKernel, check_positions, repeat_kv
 from .baselines import DiJiangKernel, FeatureKernel, PerformerKernel, SpectraFormerKernel, TaylorShiftKernel
+from .hybrid import EXACT_HEADS, ExactHeadsKernel, ExactHeadsState
 from .oal import (
     GlobalQuadraticKernel,
     OALKernel,
@@ -21,6 +22,9 @@ __all__ = [
     "SINK_WINDOW_KERNELS",
     "AttentionKernel",
     "DiJiangKernel",
+    "EXACT_HEADS",
+    "ExactHeadsKernel",
+    "ExactHeadsState",
     "FeatureKernel",
     "PerformerKernel",
     "SpectraFormerKernel",

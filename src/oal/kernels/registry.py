@@ -17,6 +17,7 @@ import torch
 from .base import AttentionKernel, SoftmaxKernel
 from .baselines import DiJiangKernel, PerformerKernel, SpectraFormerKernel, TaylorShiftKernel
 from .baselines.common import check_nonnegative_int
+from .hybrid import EXACT_HEADS, ExactHeadsKernel
 from .oal import GlobalQuadraticKernel, OALKernel
 from .sink_window import SinkWindowKernel, split_sink_window_name
 
@@ -96,6 +97,12 @@ def kernel_config(kernel: AttentionKernel) -> dict[str, Any]:
     """JSON-friendly constructor arguments of any kernel :func:`build_kernel` makes (not its trained values)."""
     if isinstance(kernel, tuple(BASELINES.values())):
         return kernel.config()
+    if isinstance(kernel, ExactHeadsKernel):
+        return {
+            "name": EXACT_HEADS,
+            "exact_kv_heads": list(kernel.exact_kv_heads),
+            "inner": kernel_config(kernel.inner),
+        }
     if isinstance(kernel, SinkWindowKernel):
         inner = kernel_config(kernel.inner)
         inner.pop("name")
@@ -121,6 +128,12 @@ def kernel_from_config(config: dict[str, Any]) -> AttentionKernel:
         raise ValueError(f"config: expected a dict with a 'name' key, got {config!r}")
     cfg = dict(config)
     name = cfg.pop("name")
+    if name == EXACT_HEADS:
+        if sorted(cfg) != ["exact_kv_heads", "inner"]:
+            raise ValueError(
+                f"config: expected the keys ['exact_kv_heads', 'inner'] for {EXACT_HEADS!r}, got {sorted(cfg)}"
+            )
+        return ExactHeadsKernel(kernel_from_config(cfg["inner"]), cfg["exact_kv_heads"])
     if name in BASELINES:
         return BASELINES[name].from_config(config)
     missing = sorted({"num_heads", "num_kv_heads", "head_dim"} - set(cfg))

@@ -1,0 +1,181 @@
+"""Which KV heads does in-context retrieval need? Scores from the original model's attention on synthetic
+retrieval prompts, and the conversion step that keeps the best-scoring heads exact
+(:class:`oal.kernels.ExactHeadsKernel`).
+
+Score of (layer, KV head): on passkey / multi-key prompts teacher-forced with their answer, the softmax
+attention mass that the positions predicting the answer digits put on the needle's digit tokens, averaged over
+prompts and positions, maximised over the KV head's query heads (one query head that copies is enough to need
+the group's exact cache). Heads that copy the key from the needle score near 1, heads that look locally near 0.
+This is the "retrieval head" criterion of the literature (attention on the copied token), measured with a
+haystack of natural text (the calibration split), not the filler the retrieval evaluation uses.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from rich.progress import track
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..evaluation.retrieval import build_prompt
+from ..kernels import AttentionKernel, ExactHeadsKernel, OALKernel, SinkWindowKernel, repeat_kv
+from ..models import attach_kernel, attached_kernels, attention_spec, capture_qkv
+
+__all__ = ["add_exact_heads", "gate_gradient_scores", "rank_heads", "retrieval_head_scores"]
+
+
+@torch.inference_mode()
+def retrieval_head_scores(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    haystack: Sequence[str],
+    *,
+    lengths: Sequence[int] = (1024, 2048),
+    prompts: int = 8,
+    tasks: Sequence[str] = ("passkey", "multikey"),
+    seed: int = 1,
+    target: str = "digits",
+    progress: bool = True,
+) -> torch.Tensor:
+    """``(num_layers, Hkv)`` retrieval scores in [0, 1] of the (unconverted) ``model``; see the module doc.
+
+    ``prompts`` per (task, length); ``haystack``: sentences of text the evaluation never uses. ``target``:
+    ``"digits"`` scores the mass that the answer-predicting positions put on the needle's answer digits,
+    ``"needle"`` the mass that the question's and the answer-predicting positions put on the whole needle
+    sentence (also the heads that find the needle, not only those that copy it)."""
+    if target not in ("digits", "needle"):
+        raise ValueError(f"target: expected 'digits' or 'needle', got {target!r}")
+    spec = attention_spec(model)
+    if attached_kernels(model):
+        raise ValueError("model: score heads on the original model (it has kernels attached)")
+    g = spec.num_heads // spec.num_kv_heads
+    total = torch.zeros(spec.num_layers, spec.num_heads, dtype=torch.float64)
+    count = 0
+    jobs = [(t, n, i) for t in tasks for n in lengths for i in range(prompts)]
+    device = next(model.parameters()).device
+    for task, n, i in track(jobs, description="retrieval head scores", disable=not progress):
+        p = build_prompt(tokenizer, n, random.Random(f"heads/{seed}/{task}/{n}/{i}"), task=task, haystack=haystack)
+        answer = tokenizer(" " + p.answer, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([p.ids + answer], device=device)
+        first = len(p.ids) - 1 if target == "digits" else p.question
+        rows = torch.arange(first, len(p.ids) + len(answer) - 1, device=device)
+        span = p.needle if target == "digits" else p.sentence
+        with capture_qkv(model, device=None) as rec:
+            model(input_ids=ids, use_cache=False)
+        for layer in range(spec.num_layers):
+            q, k, _, _, scale = rec[layer]
+            logits = (q[0, :, rows].double() @ repeat_kv(k, spec.num_heads)[0].double().mT) * scale
+            keys = torch.arange(ids.shape[1], device=device)
+            logits = logits.masked_fill(keys[None, None, :] > rows[None, :, None], float("-inf"))
+            mass = logits.softmax(-1)[..., span[0] : span[1]].sum(-1)  # (Hq, P)
+            total[layer] += mass.mean(-1).cpu()
+        count += 1
+    per_q = total / count
+    return per_q.view(spec.num_layers, spec.num_kv_heads, g).amax(-1).float()
+
+
+def rank_heads(scores: torch.Tensor, layers: Iterable[int]) -> list[tuple[int, int]]:
+    """(layer, KV head) pairs of ``layers``, best retrieval score first (ties: lower layer, lower head)."""
+    pairs = [(layer, h) for layer in layers for h in range(scores.shape[1])]
+    return sorted(pairs, key=lambda lh: (-float(scores[lh[0], lh[1]]), lh[0], lh[1]))
+
+
+def add_exact_heads(model: PreTrainedModel, heads: Mapping[int, Sequence[int]]) -> PreTrainedModel:
+    """Keep the KV heads ``heads[layer]`` of converted layers exact: each such layer's kernel (OAL, global, or
+    either with sinks + window) is wrapped in an :class:`ExactHeadsKernel`, in place; the conversion record
+    lists them under ``exact_heads``. Returns the model."""
+    from .convert import CONFIG_KEY, conversion_info
+
+    info = conversion_info(model)
+    kernels = attached_kernels(model)
+    if info is None:
+        raise ValueError("model: not a converted model (no config.oal_conversion); call convert_model first")
+    wrapped = {}
+    for layer, kv in sorted(heads.items()):
+        if not kv:
+            continue
+        if layer not in kernels:
+            raise ValueError(f"heads: layer {layer} is not converted (converted layers: {sorted(kernels)})")
+        inner = kernels[layer]
+        if not isinstance(inner, (OALKernel, SinkWindowKernel)):
+            raise ValueError(
+                f"heads: layer {layer} has a {type(inner).__name__}; exact heads wrap OAL / global kernels with or "
+                "without sinks and a window"
+            )
+        wrapped[layer] = ExactHeadsKernel(inner, list(kv))
+    for layer, kernel in wrapped.items():
+        attach_kernel(model, layer, kernel)
+    record = {str(layer): list(k.exact_kv_heads) for layer, k in wrapped.items()}
+    setattr(model.config, CONFIG_KEY, {**info, "exact_heads": record})
+    return model
+
+
+class _GatedKernel(AttentionKernel):
+    """``α_h · softmax + (1 - α_h) · inner`` per KV head h (its query heads), for :func:`gate_gradient_scores`."""
+
+    def __init__(self, inner: AttentionKernel, alpha: torch.Tensor) -> None:
+        super().__init__(inner.num_heads, inner.num_kv_heads, inner.head_dim)
+        self.inner = inner
+        self.alpha = alpha
+
+    def forward(self, q, k, v, *, mode="chunk", initial_state=None, output_final_state=False):
+        if initial_state is not None or output_final_state:
+            raise ValueError("initial_state: the gated kernel scores heads on whole sequences only")
+        approx, _ = self.inner(q, k, v)
+        exact = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        a = self.alpha.repeat_interleave(self.num_heads // self.num_kv_heads)[None, :, None, None].to(q.dtype)
+        return a * exact + (1 - a) * approx, None
+
+
+def gate_gradient_scores(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    haystack: Sequence[str],
+    *,
+    lengths: Sequence[int] = (1024,),
+    prompts: int = 4,
+    tasks: Sequence[str] = ("passkey", "multikey"),
+    seed: int = 2,
+    progress: bool = True,
+) -> torch.Tensor:
+    """``(num_layers, Hkv)``: how much the log-likelihood of retrieval answers rises, to first order, when a KV
+    head of a converted layer moves from its kernel towards exact softmax (DuoAttention's per-head gate, scored by
+    its gradient instead of trained). Every converted layer's attention becomes ``α · softmax + (1 - α) · kernel``
+    per KV head with α = 1 on heads already exact and 0 elsewhere; the score is ``∂ log p(answer) / ∂α`` summed
+    over ``prompts`` teacher-forced retrieval prompts per (task, length). Layers that are not converted score 0.
+    Unlike :func:`retrieval_head_scores` it sees the converted model's own errors (heads whose approximation
+    misleads the copy), at the cost of a backward pass per prompt."""
+    spec = attention_spec(model)
+    kernels = attached_kernels(model)
+    if not kernels:
+        raise ValueError("model: expected a converted model (no kernels are attached)")
+    gates: dict[int, torch.Tensor] = {}
+    originals = dict(kernels)
+    for layer, kernel in kernels.items():
+        inner, exact = (kernel.inner, kernel.exact_kv_heads) if isinstance(kernel, ExactHeadsKernel) else (kernel, ())
+        alpha = torch.zeros(spec.num_kv_heads, dtype=torch.float32, requires_grad=True)
+        with torch.no_grad():
+            alpha[list(exact)] = 1.0
+        gates[layer] = alpha
+        attach_kernel(model, layer, _GatedKernel(inner, alpha))
+    total = torch.zeros(spec.num_layers, spec.num_kv_heads)
+    device = next(model.parameters()).device
+    jobs = [(t, n, i) for t in tasks for n in lengths for i in range(prompts)]
+    try:
+        for task, n, i in track(jobs, description="gate gradients", disable=not progress):
+            p = build_prompt(tokenizer, n, random.Random(f"gates/{seed}/{task}/{n}/{i}"), task=task, haystack=haystack)
+            answer = tokenizer(" " + p.answer, add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([p.ids + answer], device=device)
+            logits = model(input_ids=ids, use_cache=False).logits[0, len(p.ids) - 1 : -1].float()
+            logp = logits.log_softmax(-1).gather(-1, ids[0, len(p.ids) :, None]).sum()
+            grads = torch.autograd.grad(logp, [gates[layer] for layer in sorted(gates)])
+            for layer, g in zip(sorted(gates), grads, strict=True):
+                total[layer] += g.detach().cpu()
+    finally:
+        for layer, kernel in originals.items():
+            attach_kernel(model, layer, kernel)
+    return total / len(jobs)

@@ -1,0 +1,166 @@
+"""Conversion recipes: every stage from a pretrained model to the converted model users run, as one call.
+
+``retrieval`` (the default recipe; beyond the paper; docs/results/conversion):
+
+1. **Calibrate** (Eq. 20 on frozen Q/K/V, WikiText-2 *valid* blocks 16–25 at N = 1024) ``oal+sink+window`` with
+   4 exact sinks and a 256-token exact window in *every* layer. Layers with a committed plain-OAL calibration
+   (``docs/results/calibration/oal_3-26``) start from it, the others from the Taylor kernel.
+2. **Kernel scale for long contexts:** every head's log-scale β is lowered by ``beta_offset`` (5 nats). β is
+   fitted at N ≤ 1024, where the kernel part covers at most ~770 keys; its mass grows with the number of keys,
+   and on long repetitive contexts the calibrated β lets the averaged far context outweigh the exact window and
+   heads (the converted model then continues the filler instead of retrieving). Chosen on retrieval prompts
+   that the evaluation does not use; the held-out perplexity hardly moves (docs/results/conversion).
+3. **Retrieval heads:** the ``exact_heads`` KV heads with the highest copy score on the original model
+   (:func:`oal.conversion.heads.retrieval_head_scores`, WikiText-2 valid text as haystack) keep exact softmax
+   attention with a full KV cache (:class:`oal.kernels.ExactHeadsKernel`).
+
+The result is written with :func:`save_converted` as a kernels-only directory when the base model is the
+embedded SmolLM2 (``base_weights``), so it is a few MB and loads with :func:`oal.models.load_model`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..io import write_json
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RECIPES", "Recipe", "run_recipe"]
+
+DEFAULT_INIT = Path("docs/results/calibration/oal_3-26")
+DEFAULT_GROUPS = Path("docs/results/calibration/groups.json")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Every number of a recipe (see the module docstring)."""
+
+    name: str
+    kernel: str = "oal+sink+window"
+    layers: str = "all"
+    n_sink: int = 4
+    window: int = 256
+    seq_len: int = 1024
+    max_updates: int = 300
+    beta_offset: float = -5.0
+    exact_heads: int = 20
+    score_lengths: tuple[int, ...] = (1024, 2048)
+    score_prompts: int = 6
+    seed: int = 0
+
+
+RECIPES = {
+    "retrieval": Recipe("retrieval"),
+    # the same without exact heads or the β offset: what the kernel alone keeps
+    "kernel-only": Recipe("kernel-only", exact_heads=0, beta_offset=0.0),
+}
+
+
+def _timed(stages: dict, name: str):
+    class _Stage:
+        def __enter__(self):
+            self.start = time.perf_counter()
+            logger.info("recipe stage %s ...", name)
+
+        def __exit__(self, *exc):
+            stages[name] = round(time.perf_counter() - self.start, 1)
+            logger.info("recipe stage %s done in %.1f s", name, stages[name])
+
+    return _Stage()
+
+
+def run_recipe(
+    recipe: str | Recipe,
+    out: str | os.PathLike,
+    *,
+    model_name: str = "smollm2-135m",
+    work_dir: str | os.PathLike | None = None,
+    init_from: str | os.PathLike | None = DEFAULT_INIT,
+    groups: str | os.PathLike = DEFAULT_GROUPS,
+    data_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Run ``recipe`` (a name in :data:`RECIPES` or a :class:`Recipe`) on ``model_name`` and save the converted
+    model to ``out``; returns the record also written to ``out/recipe.json`` (stages, seconds per stage, the
+    chosen heads). ``work_dir`` holds the calibration (default ``<out>.work``); calibration resumes from it."""
+    from ..data.text import load_text
+    from ..evaluation.retrieval import sentences_from_text
+    from ..fidelity.cli import run_calibrate
+    from ..models import attached_kernels, load_model, load_tokenizer
+    from .convert import convert_model, parse_layers, save_converted
+    from .heads import add_exact_heads, rank_heads, retrieval_head_scores
+
+    r = RECIPES.get(recipe) if isinstance(recipe, str) else recipe
+    if r is None:
+        raise ValueError(f"recipe: expected one of {sorted(RECIPES)} or a Recipe, got {recipe!r}")
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"out: {out} is not empty; choose another directory or pass overwrite=True")
+    work = Path(work_dir) if work_dir is not None else out.with_name(out.name + ".work")
+    stages: dict[str, float] = {}
+    tokenizer = load_tokenizer(model_name)
+    base = load_model(model_name)
+    n_layers = base.config.num_hidden_layers
+    layers = list(range(n_layers)) if r.layers == "all" else parse_layers(r.layers, n_layers)
+
+    with _timed(stages, "calibrate"):
+        run_calibrate(
+            model_name,
+            kernel=r.kernel,
+            layers=layers,
+            out=work / "calibrate",
+            groups_path=Path(groups),
+            seq_len=r.seq_len,
+            data_dir=Path(data_dir) if data_dir is not None else None,
+            cache=work / "qkv",
+            seed=r.seed,
+            n_sink=r.n_sink,
+            window=r.window,
+            init_from=Path(init_from) if init_from is not None else None,
+            config_overrides={"max_updates": r.max_updates},
+            progress=progress,
+        )
+    heads: dict[int, list[int]] = {}
+    scores = None
+    if r.exact_heads:
+        with _timed(stages, "retrieval_heads"):
+            haystack = sentences_from_text(load_text("valid", data_dir=data_dir).text)
+            scores = retrieval_head_scores(
+                base, tokenizer, haystack, lengths=r.score_lengths, prompts=r.score_prompts, progress=progress
+            )
+            for layer, h in rank_heads(scores, layers)[: r.exact_heads]:
+                heads.setdefault(layer, []).append(h)
+    with _timed(stages, "convert"):
+        model = convert_model(base, r.kernel, layers=layers, calibrated=work / "calibrate", seed=r.seed)
+        with torch.no_grad():
+            for kernel in attached_kernels(model).values():
+                kernel.beta.add_(r.beta_offset)
+        if heads:
+            add_exact_heads(model, heads)
+        info = model.config.oal_conversion
+        model.config.oal_conversion = {**info, "recipe": {**asdict(r), "beta_offset_applied": r.beta_offset}}
+        base_weights = model_name if not Path(model_name).exists() else None
+        save_converted(model, out, tokenizer=tokenizer, overwrite=overwrite, base_weights=base_weights)
+    record = {
+        "recipe": asdict(r),
+        "model": model_name,
+        "init_from": None if init_from is None else str(init_from),
+        "groups": str(groups),
+        "exact_heads": {str(k): v for k, v in sorted(heads.items())},
+        "head_scores": None if scores is None else [[round(float(x), 5) for x in row] for row in scores],
+        "seconds": {**stages, "total": round(sum(stages.values()), 1)},
+        "torch_threads": torch.get_num_threads(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    write_json(out / "recipe.json", record)
+    logger.info("recipe %s: %s", r.name, json.dumps(record["seconds"]))
+    return record

@@ -1,0 +1,211 @@
+"""Head-granular hybrid: a few KV heads of a layer keep exact softmax attention over the whole context (with a
+growing key/value cache), every other head runs an inner linear-time kernel (OAL, the learned global quadratic,
+or either with exact sinks and a window).
+
+Beyond the paper. On SmolLM2 a plain or sink/window conversion loses in-context retrieval (a passkey is never
+found again): the heads that copy a token from far back need the exact, un-averaged attention peak that no
+degree-2 kernel and no window provides. DuoAttention keeps such "retrieval heads" with a full KV cache and gives
+the others sinks + a window only; here the others keep the whole context through the kernel's state too.
+
+Exactness is per KV head (GQA: the query heads of a group share the group's keys and values, so keeping one
+query head exact costs the whole group's cache). The inner kernel keeps its parameters for every query head (so
+calibrated parameters load unchanged); the exact heads' parameters are simply not used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .base import AttentionKernel, check_positions, repeat_kv
+from .oal import OALKernel, oal_attention, oal_coefficients, oal_factor
+from .sink_window import SinkWindowKernel
+
+__all__ = ["ExactHeadsKernel", "ExactHeadsState", "EXACT_HEADS"]
+
+EXACT_HEADS = "exact-heads"
+
+
+class ExactHeadsState(NamedTuple):
+    """Decoding state of :class:`ExactHeadsKernel` after ``offset`` tokens.
+
+    ``k (B, E, offset, d)`` and ``v (B, E, offset, dv)``: the keys and values of the E exact KV heads (they grow
+    with the context, like a KV cache); ``inner``: the inner kernel's state over the other KV heads (constant
+    size), None when every KV head is exact.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    inner: object | None
+    offset: int
+
+
+def _check_heads(exact_kv_heads: Iterable[int], num_kv_heads: int) -> tuple[int, ...]:
+    heads = list(exact_kv_heads)
+    if not all(isinstance(h, int) and not isinstance(h, bool) for h in heads):
+        raise ValueError(f"exact_kv_heads: expected integer KV head indices, got {heads!r}")
+    bad = [h for h in heads if not 0 <= h < num_kv_heads]
+    if bad or len(set(heads)) != len(heads) or not heads:
+        raise ValueError(
+            f"exact_kv_heads: expected distinct KV head indices in [0, {num_kv_heads}), at least one, got {heads!r}"
+        )
+    return tuple(sorted(heads))
+
+
+class ExactHeadsKernel(AttentionKernel):
+    """Exact softmax on the KV heads ``exact_kv_heads`` (and their query heads), ``inner`` on the others.
+
+    ``inner`` is an :class:`OALKernel` / :class:`GlobalQuadraticKernel` or a :class:`SinkWindowKernel` around one,
+    built for all ``Hq`` heads. ``forward`` returns an :class:`ExactHeadsState` as its recurrent state.
+    """
+
+    def __init__(self, inner: OALKernel | SinkWindowKernel, exact_kv_heads: Iterable[int]) -> None:
+        if not isinstance(inner, (OALKernel, SinkWindowKernel)):
+            raise ValueError(
+                f"inner: expected an OALKernel, GlobalQuadraticKernel or SinkWindowKernel, got {type(inner).__name__}"
+            )
+        super().__init__(inner.num_heads, inner.num_kv_heads, inner.head_dim)
+        self.inner = inner
+        self.exact_kv_heads = _check_heads(exact_kv_heads, inner.num_kv_heads)
+        self.name = f"{inner.name}+exact"
+        g = self.num_heads // self.num_kv_heads
+        rest = [h for h in range(self.num_kv_heads) if h not in self.exact_kv_heads]
+        self.kernel_kv_heads = tuple(rest)
+        self._exact_q = [h * g + i for h in self.exact_kv_heads for i in range(g)]
+        self._kernel_q = [h * g + i for h in rest for i in range(g)]
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, exact_kv_heads={list(self.exact_kv_heads)}"
+
+    @property
+    def _oal(self) -> OALKernel:
+        return self.inner.inner if isinstance(self.inner, SinkWindowKernel) else self.inner
+
+    # -------------------------------------------------------------------------------------------- calibration
+
+    def weights(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``(B, Hq, P, N)``: the inner kernel's weights, with the exact heads' rows replaced by
+        ``e^{s_ij - max_j s_ij}`` on the causal prefix (each row is normalised on its own)."""
+        positions = check_positions(positions, q.shape[2])
+        w = self.inner.weights(q, k, positions)
+        qs = q[:, self._exact_q][:, :, positions].to(w.dtype)
+        ke = repeat_kv(k[:, list(self.exact_kv_heads)].to(w.dtype), len(self._exact_q))
+        logits = (qs @ ke.mT) * self.scale
+        logits = logits.masked_fill(~self.causal_mask(positions, k.shape[2]), float("-inf"))
+        exact = torch.exp(logits - logits.amax(-1, keepdim=True))
+        idx = torch.tensor(self._exact_q, device=w.device)
+        return w.index_copy(1, idx, exact)
+
+    # -------------------------------------------------------------------------------------------- evaluation
+
+    def _inner_forward(self, q, k, v, *, mode, initial_state, output_final_state, chunk_size):
+        """The inner kernel on the query heads ``self._kernel_q`` and KV heads ``self.kernel_kv_heads`` only."""
+        hq = torch.tensor(self._kernel_q, device=q.device)
+        oal = self._oal
+        groups, L = oal.groups.index_select(0, hq.to(oal.groups.device)), oal.L.index_select(0, hq.to(oal.L.device))
+        if not isinstance(self.inner, SinkWindowKernel):
+            return oal_attention(
+                q,
+                k,
+                v,
+                groups,
+                L,
+                oal.eps,
+                mode=mode,
+                chunk_size=chunk_size,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+            )
+        from ..ops.sink_window import sink_window_attention
+
+        a, b, C = oal_coefficients(groups, L, oal.eps)
+        return sink_window_attention(
+            q,
+            k,
+            v,
+            a,
+            b,
+            C,
+            self.inner.beta.index_select(0, hq.to(self.inner.beta.device)),
+            n_sink=self.inner.n_sink,
+            window=self.inner.window,
+            scale=self.scale,
+            mode=mode,
+            chunk_size=chunk_size,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            factor=oal_factor(groups, L, oal.eps) if mode == "chunk" else None,
+            kernel_floor=oal.eps,
+        )
+
+    def _exact_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+        """Causal softmax of the N new queries ``q (B, Eg, N, d)`` over ``past`` cached + N new keys."""
+        n = q.shape[2]
+        gqa = q.shape[1] != k.shape[1]
+        if past == 0 or n == 1:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=past == 0, scale=self.scale, enable_gqa=gqa)
+        keys = torch.arange(past + n, device=q.device)
+        mask = keys[None, :] <= (past + torch.arange(n, device=q.device))[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mode: str = "chunk",
+        initial_state: ExactHeadsState | None = None,
+        output_final_state: bool = False,
+        chunk_size: int = 64,
+    ) -> tuple[torch.Tensor, ExactHeadsState | None]:
+        """q ``(B, Hq, N, d)``, k ``(B, Hkv, N, d)``, v ``(B, Hkv, N, dv)`` -> ``(o (B, Hq, N, dv), state)``.
+
+        ``mode`` (``naive`` / ``chunk`` / ``recurrent``) selects the inner kernel's evaluation; the exact heads
+        are one SDPA call over their cached and new keys in every mode."""
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            raise ValueError(
+                f"q, k, v: expected 4-D (B, H, N, ·) tensors, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        if q.shape[1] != self.num_heads or k.shape[1] != self.num_kv_heads or v.shape[1] != self.num_kv_heads:
+            raise ValueError(
+                f"q, k, v: expected {self.num_heads} query and {self.num_kv_heads} KV heads, got {q.shape[1]}, "
+                f"{k.shape[1]} and {v.shape[1]}"
+            )
+        ex = list(self.exact_kv_heads)
+        ke, ve = k[:, ex], v[:, ex]
+        past = 0
+        inner_state = None
+        if initial_state is not None:
+            if not isinstance(initial_state, ExactHeadsState):
+                raise ValueError(f"initial_state: expected an ExactHeadsState, got {type(initial_state).__name__}")
+            want = (k.shape[0], len(ex), initial_state.offset)
+            if tuple(initial_state.k.shape[:3]) != want or initial_state.k.dtype != k.dtype:
+                raise ValueError(
+                    f"initial_state: expected exact keys of shape {want + (k.shape[-1],)} in {k.dtype}, got "
+                    f"{tuple(initial_state.k.shape)} in {initial_state.k.dtype}"
+                )
+            past, inner_state = initial_state.offset, initial_state.inner
+            ke = torch.cat([initial_state.k, ke], dim=2)
+            ve = torch.cat([initial_state.v, ve], dim=2)
+        o = q.new_empty(q.shape[0], self.num_heads, q.shape[2], v.shape[-1])
+        o[:, self._exact_q] = self._exact_forward(q[:, self._exact_q], ke, ve, past).to(o.dtype)
+        new_inner = None
+        if self._kernel_q:
+            rest = list(self.kernel_kv_heads)
+            oi, new_inner = self._inner_forward(
+                q[:, self._kernel_q],
+                k[:, rest],
+                v[:, rest],
+                mode=mode,
+                initial_state=inner_state,
+                output_final_state=output_final_state,
+                chunk_size=chunk_size,
+            )
+            o[:, self._kernel_q] = oi.to(o.dtype)
+        if not output_final_state:
+            return o, None
+        return o, ExactHeadsState(ke, ve, new_inner, past + q.shape[2])

@@ -1,0 +1,149 @@
+"""Exact heads inside converted layers: the model's logits, cached generation = one pass, cache contents,
+save/load round trip, head ranking and retrieval-head scores on a tiny model."""
+
+import pytest
+import torch
+from tiny import byte_tokenizer
+
+from oal.conversion import conversion_info, convert_model, load_converted, save_converted
+from oal.conversion.heads import add_exact_heads, rank_heads, retrieval_head_scores
+from oal.kernels import ExactHeadsKernel, ExactHeadsState, OALKernel, SinkWindowKernel
+from oal.models import attached_kernels, capture_qkv, detach_kernel
+from oal.models.state_cache import cache_nbytes
+
+
+def converted(make_model, kernel="oal", model=None):
+    model = make_model("llama", num_heads=6, num_kv_heads=2) if model is None else model
+    g = torch.Generator().manual_seed(0)
+    groups = {i: torch.randint(0, 3, (6, 8), generator=g) for i in range(4)}
+    convert_model(model, "oal", layers="1-2", groups=groups)
+    if kernel == "sink_window":
+        for i, k in attached_kernels(model).items():
+            from oal.models import attach_kernel
+
+            attach_kernel(model, i, SinkWindowKernel(k, n_sink=2, window=5))
+    with torch.no_grad():
+        for k in attached_kernels(model).values():
+            for t in k.parameters():
+                t.add_(0.05 * torch.randn(t.shape, generator=g))
+    return model
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("kernel", ["oal", "sink_window"])
+def test_exact_heads_change_only_their_heads_and_all_exact_is_softmax(make_model, kernel):
+    model = converted(make_model, kernel)
+    ids = torch.randint(0, 256, (2, 30))
+    before = logits(model, ids)
+    add_exact_heads(model, {1: [0], 2: []})
+    ks = attached_kernels(model)
+    assert isinstance(ks[1], ExactHeadsKernel) and ks[1].exact_kv_heads == (0,)
+    assert not isinstance(ks[2], ExactHeadsKernel)
+    assert conversion_info(model)["exact_heads"] == {"1": [0]}
+    mid = logits(model, ids)
+    assert not torch.allclose(mid, before)
+    # layer 1 with every KV head exact and layer 2 back to softmax: the original model's logits
+    with capture_qkv(model, layers=[1], outputs=True) as rec:
+        model(ids, use_cache=False)
+    q, k, v, o, scale = rec[1]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    torch.testing.assert_close(o[:, :3], ref[:, :3], rtol=1e-5, atol=1e-6)  # KV head 0 = query heads 0-2
+    assert not torch.allclose(o[:, 3:], ref[:, 3:], atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["oal", "sink_window"])
+def test_cached_decoding_equals_one_pass_and_cache_holds_exact_kv(make_model, kernel):
+    model = converted(make_model, kernel)
+    add_exact_heads(model, {1: [1], 2: [0]})
+    ids = torch.randint(0, 256, (1, 40))
+    full = logits(model, ids)
+    with torch.no_grad():
+        out = model(ids[:, :25], use_cache=True)
+        steps = [out.logits]
+        cache = out.past_key_values
+        for t in range(25, 40):
+            out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-5)
+    state = cache.layers[1].state
+    assert isinstance(state, ExactHeadsState) and state.offset == 40 and state.k.shape == (1, 1, 40, 8)
+    # the exact KV head's cache grows with the context: more bytes than the same layer without exact heads
+    assert cache_nbytes(cache) > 0
+
+
+def test_save_load_round_trip_is_bit_identical(make_model, tmp_path):
+    model = converted(make_model, "sink_window")
+    add_exact_heads(model, {2: [0, 1]})
+    ids = torch.randint(0, 256, (2, 19))
+    ref = logits(model, ids)
+    loaded = load_converted(save_converted(model, tmp_path / "m", tokenizer=byte_tokenizer()))
+    assert torch.equal(logits(loaded, ids), ref)
+    k = attached_kernels(loaded)[2]
+    assert isinstance(k, ExactHeadsKernel) and k.exact_kv_heads == (0, 1) and isinstance(k.inner, SinkWindowKernel)
+    assert conversion_info(loaded)["exact_heads"] == {"2": [0, 1]}
+
+
+def test_add_exact_heads_refuses_bad_input(make_model):
+    plain = make_model("llama", num_heads=6, num_kv_heads=2)
+    with pytest.raises(ValueError, match="not a converted model"):
+        add_exact_heads(plain, {1: [0]})
+    model = converted(make_model)
+    with pytest.raises(ValueError, match="layer 0 is not converted"):
+        add_exact_heads(model, {0: [0]})
+    with pytest.raises(ValueError, match=r"exact_kv_heads: expected distinct KV head indices in \[0, 2\)"):
+        add_exact_heads(model, {1: [2]})
+    assert isinstance(detach_kernel(model, 1), OALKernel)
+
+
+def test_rank_heads_orders_by_score_then_position():
+    scores = torch.tensor([[0.1, 0.9], [0.5, 0.9], [0.0, 0.2]])
+    assert rank_heads(scores, [0, 1, 2]) == [(0, 1), (1, 1), (1, 0), (2, 1), (0, 0), (2, 0)]
+    assert rank_heads(scores, [2]) == [(2, 1), (2, 0)]
+
+
+def test_retrieval_head_scores_on_a_tiny_model(make_model):
+    model = make_model("llama", num_heads=6, num_kv_heads=2)
+    tok = byte_tokenizer()
+    hay = ["A quiet day by the sea.", "Birds fly over the hills."]
+    s = retrieval_head_scores(model, tok, hay, lengths=[400], prompts=2, tasks=("passkey",), progress=False)
+    assert s.shape == (4, 2) and bool((s >= 0).all()) and bool((s <= 1).all()) and bool(s.sum() > 0)
+    again = retrieval_head_scores(model, tok, hay, lengths=[400], prompts=2, tasks=("passkey",), progress=False)
+    assert torch.equal(s, again)
+    needle = retrieval_head_scores(
+        model, tok, hay, lengths=[400], prompts=2, tasks=("passkey",), target="needle", progress=False
+    )
+    assert bool((needle >= s - 1e-6).all())  # the needle sentence holds the digits, the rows include theirs
+    with pytest.raises(ValueError, match="target"):
+        retrieval_head_scores(model, tok, hay, target="keys")
+    convert_model(model, "global", layers=[1])
+    with pytest.raises(ValueError, match="original model"):
+        retrieval_head_scores(model, tok, hay, lengths=[400], prompts=1, tasks=("passkey",), progress=False)
+
+
+def test_kernels_only_directory_loads_onto_the_named_base(make_model, tmp_path):
+    base = make_model("llama", num_heads=6, num_kv_heads=2)
+    base.save_pretrained(tmp_path / "base")
+    model = converted(make_model, "sink_window", model=base)
+    add_exact_heads(model, {1: [1]})
+    ids = torch.randint(0, 256, (1, 23))
+    ref = logits(model, ids)
+    out = save_converted(model, tmp_path / "light", tokenizer=byte_tokenizer(), base_weights=str(tmp_path / "base"))
+    files = sorted(p.name for p in out.iterdir())
+    assert "kernels.safetensors" in files and "model.safetensors" not in files
+    assert (out / "kernels.safetensors").stat().st_size < 20_000
+    loaded = load_converted(out)
+    assert torch.equal(logits(loaded, ids), ref)
+    assert conversion_info(loaded)["base_weights"] == str(tmp_path / "base")
+    other = make_model("llama", num_heads=6, num_kv_heads=2, layers=3)
+    other.save_pretrained(tmp_path / "other")
+    import json
+
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["oal_conversion"]["base_weights"] = str(tmp_path / "other")
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        load_converted(out)

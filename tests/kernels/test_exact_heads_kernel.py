@@ -1,0 +1,144 @@
+"""ExactHeadsKernel: exact heads equal softmax, the other heads equal the inner kernel on its own, in every
+mode; prefill + decode = one pass; weights/at_positions agree with forward; config round trip; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oal.kernels import (
+    ExactHeadsKernel,
+    ExactHeadsState,
+    OALKernel,
+    SinkWindowKernel,
+    SoftmaxKernel,
+    kernel_config,
+    kernel_from_config,
+)
+
+
+def make_qkv(B, Hq, Hkv, N, d, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, h, N, d, generator=g, dtype=dtype) for h in (Hq, Hkv, Hkv))
+
+
+def make_inner(kind, Hq, Hkv, d, dtype=torch.float64):
+    torch.manual_seed(1)
+    oal = OALKernel(torch.randint(0, 3, (Hq, d)), Hkv, L=torch.randn(Hq, 4, 4) * 0.4).to(dtype)
+    if kind == "oal":
+        return oal
+    return SinkWindowKernel(oal, n_sink=2, window=5, beta=torch.randn(Hq) * 0.3).to(dtype)
+
+
+def group_q(heads, g):
+    return [h * g + i for h in heads for i in range(g)]
+
+
+@pytest.mark.parametrize("kind", ["oal", "sink_window"])
+@pytest.mark.parametrize("Hq,Hkv,exact", [(6, 3, [1]), (6, 3, [0, 2]), (4, 4, [3]), (3, 1, [0]), (9, 3, [0, 1, 2])])
+@pytest.mark.parametrize("mode", ["naive", "chunk", "recurrent"])
+@pytest.mark.parametrize("N", [1, 63, 130])
+def test_heads_are_softmax_or_inner(kind, Hq, Hkv, exact, mode, N):
+    d = 8
+    inner = make_inner(kind, Hq, Hkv, d)
+    m = ExactHeadsKernel(inner, exact)
+    q, k, v = make_qkv(2, Hq, Hkv, N, d)
+    o, _ = m(q, k, v, mode=mode)
+    g = Hq // Hkv
+    eq = group_q(exact, g)
+    ref_soft, _ = SoftmaxKernel(Hq, Hkv, d)(q, k, v)
+    torch.testing.assert_close(o[:, eq], ref_soft[:, eq], rtol=1e-10, atol=1e-10)
+    rest = [h for h in range(Hkv) if h not in exact]
+    if rest:
+        ref_inner, _ = inner(q, k, v, mode="naive")
+        rq = group_q(rest, g)
+        torch.testing.assert_close(o[:, rq], ref_inner[:, rq], rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("kind", ["oal", "sink_window"])
+@pytest.mark.parametrize("exact", [[1], [0, 2]])
+def test_prefill_then_decode_equals_one_pass(kind, exact):
+    d, N, split = 8, 77, 40
+    m = ExactHeadsKernel(make_inner(kind, 6, 3, d), exact)
+    q, k, v = make_qkv(1, 6, 3, N, d)
+    full, _ = m(q, k, v)
+    o1, state = m(q[:, :, :split], k[:, :, :split], v[:, :, :split], output_final_state=True)
+    outs = [o1]
+    o2, state = m(q[:, :, split:60], k[:, :, split:60], v[:, :, split:60], initial_state=state, output_final_state=True)
+    outs.append(o2)
+    for t in range(60, N):
+        ot, state = m(
+            q[:, :, t : t + 1],
+            k[:, :, t : t + 1],
+            v[:, :, t : t + 1],
+            mode="recurrent",
+            initial_state=state,
+            output_final_state=True,
+        )
+        outs.append(ot)
+    torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-9, atol=1e-9)
+    assert isinstance(state, ExactHeadsState) and state.offset == N
+    assert state.k.shape == (1, len(exact), N, d) and state.v.shape == (1, len(exact), N, d)
+
+
+def test_all_heads_exact_is_softmax_and_has_no_inner_state():
+    q, k, v = make_qkv(1, 6, 3, 20, 8)
+    m = ExactHeadsKernel(make_inner("oal", 6, 3, 8), [0, 1, 2])
+    o, state = m(q, k, v, output_final_state=True)
+    torch.testing.assert_close(o, SoftmaxKernel(6, 3, 8)(q, k, v)[0])
+    assert state.inner is None
+
+
+def test_at_positions_matches_forward_and_gradients_reach_inner():
+    d = 8
+    m = ExactHeadsKernel(make_inner("sink_window", 6, 3, d), [1])
+    q, k, v = make_qkv(1, 6, 3, 50, d)
+    pos = torch.tensor([0, 7, 33, 49])
+    full, _ = m(q, k, v, mode="naive")
+    torch.testing.assert_close(m.at_positions(q, k, v, pos), full[:, :, pos], rtol=1e-9, atol=1e-9)
+    m(q, k, v)[0].square().sum().backward()
+    assert m.inner.inner.L.grad is not None and m.inner.beta.grad is not None
+    # the exact heads' parameters take no part
+    assert torch.all(m.inner.beta.grad[2:4] == 0) and bool(m.inner.beta.grad[[0, 1, 4, 5]].abs().sum() > 0)
+
+
+def test_fp32_chunk_matches_fp64_naive():
+    d = 16
+    inner64 = make_inner("sink_window", 9, 3, d)
+    m64 = ExactHeadsKernel(inner64, [2])
+    m32 = ExactHeadsKernel(make_inner("sink_window", 9, 3, d, dtype=torch.float32), [2])
+    q, k, v = make_qkv(1, 9, 3, 200, d)
+    ref, _ = m64(q, k, v, mode="naive")
+    o, _ = m32(q.float(), k.float(), v.float())
+    assert float((o.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["oal", "sink_window"])
+def test_config_round_trip_is_bit_identical(kind):
+    m = ExactHeadsKernel(make_inner(kind, 6, 3, 8, dtype=torch.float32), [2, 0])
+    cfg = kernel_config(m)
+    assert cfg["name"] == "exact-heads" and cfg["exact_kv_heads"] == [0, 2]
+    m2 = kernel_from_config(cfg)
+    m2.load_state_dict(m.state_dict())
+    q, k, v = (x.float() for x in make_qkv(1, 6, 3, 30, 8))
+    assert torch.equal(m(q, k, v)[0], m2(q, k, v)[0])
+    assert m2.name == m.name == f"{m.inner.name}+exact"
+
+
+@pytest.mark.parametrize(
+    "heads,match", [([], "at least one"), ([3], r"\[0, 3\)"), ([1, 1], "distinct"), (["0"], "integer")]
+)
+def test_bad_heads(heads, match):
+    with pytest.raises(ValueError, match=match):
+        ExactHeadsKernel(make_inner("oal", 6, 3, 8), heads)
+
+
+def test_bad_inputs():
+    m = ExactHeadsKernel(make_inner("oal", 6, 3, 8), [0])
+    q, k, v = make_qkv(1, 6, 3, 10, 8)
+    with pytest.raises(ValueError, match="KV heads"):
+        m(q, k[:, :2], v[:, :2])
+    with pytest.raises(ValueError, match="ExactHeadsState"):
+        m(q, k, v, initial_state=torch.zeros(1))
+    with pytest.raises(ValueError, match="inner: expected"):
+        ExactHeadsKernel(SoftmaxKernel(6, 3, 8), [0])
