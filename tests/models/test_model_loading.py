@@ -144,3 +144,16 @@ def test_interrupted_conversion_leaves_no_cache(fake_gguf, cache_dir):
     with pytest.raises(KeyboardInterrupt):
         load_model()
     assert list((cache_dir / "models").iterdir()) == []
+
+
+def test_models_never_import_conversion():
+    """oal.models loads converted directories itself (oal.models.converted); oal.conversion builds on it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, oal.models; from oal.models import load_model; load_model; "
+        "bad = sorted(m for m in sys.modules if m.startswith(('oal.conversion', 'oal.training', 'oal.evaluation'))); "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -15,7 +15,6 @@ loads every tensor, checking the saved kernel tensors against the configs.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -25,17 +24,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.utils import logging as hf_logging
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import __version__
 from ..grouping import GroupAssignment
 from ..io import load_tensors, read_json
-from ..kernels import KERNELS, AttentionKernel, build_kernel, kernel_config, kernel_from_config
+from ..kernels import KERNELS, AttentionKernel, build_kernel, kernel_config
 from ..kernels.registry import SINK_WINDOW_KERNELS
 from ..models import AttentionSpec, attach_kernel, attached_kernels, attention_spec
+from ..models.converted import (
+    CONFIG_KEY,
+    FORMAT,
+    KERNEL_TENSOR,
+    KERNELS_FILE,
+    conversion_info,
+    is_converted_dir,
+    load_converted,
+    load_kernel_state,
+)
 
 __all__ = [
     "CONFIG_KEY",
@@ -52,15 +59,10 @@ __all__ = [
     "save_converted",
 ]
 
-FORMAT = "oal-conversion/1"
-#: the kernels' tensors of a directory saved with ``base_weights`` (the base weights are not copied)
-KERNELS_FILE = "kernels.safetensors"
-CONFIG_KEY = "oal_conversion"
 #: Softmax layers kept at each end by default (LoLCATs-style hybrid; App. F uses 3 for Qwen2.5-0.5B).
 KEEP_SOFTMAX = 3
 #: App. F replacement ranges (zero-based, inclusive), matched against the model's name or path.
 PAPER_LAYERS = {"qwen2.5-0.5b": (3, 20), "llama-3.2-1b": (1, 14)}
-_KERNEL_TENSOR = re.compile(r"(?:.*\.)?layers\.(\d+)\.self_attn\.oal_kernel\.(.+)")
 _CALIBRATED_TENSOR = re.compile(r"layers\.(\d+)\.(.+)")
 
 
@@ -206,35 +208,7 @@ def read_calibrated(path: str | os.PathLike) -> tuple[dict[int, dict[str, torch.
     return by_layer, summary, file
 
 
-def load_kernel_state(kernel: AttentionKernel, state: Mapping[str, torch.Tensor], *, where: str) -> None:
-    """Load ``state`` into ``kernel`` strictly: the same tensor names and shapes as the kernel's state dict, and
-    integer buffers (group maps, permutations) equal to the kernel's own, which its configuration fixes. Floating
-    tensors are copied into the kernel's (keeping its dtype)."""
-    own = kernel.state_dict()
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise ValueError(
-            f"{where}: expected the tensors {sorted(own)} of the {kernel.name!r} kernel, got {sorted(state)} "
-            f"(missing {missing}, unexpected {unexpected})"
-        )
-    for name, mine in own.items():
-        got = state[name]
-        if tuple(got.shape) != tuple(mine.shape):
-            raise ValueError(f"{where}: {name!r} has shape {tuple(got.shape)}, expected {tuple(mine.shape)}")
-        if not mine.is_floating_point() and not torch.equal(got.to(mine.device, mine.dtype), mine):
-            raise ValueError(
-                f"{where}: {name!r} differs from the kernel's own {name!r} (its configuration, e.g. the dimension "
-                "groups, does not match these tensors)"
-            )
-    kernel.load_state_dict(dict(state), strict=True)
-
-
 # ------------------------------------------------------------------------------------------------- conversion
-
-
-def conversion_info(model: PreTrainedModel) -> dict | None:
-    """The conversion record of a converted model (``config.oal_conversion``), or None."""
-    return getattr(model.config, CONFIG_KEY, None)
 
 
 def convert_model(
@@ -413,7 +387,7 @@ def save_converted(
             state = {
                 key: t.detach().cpu().contiguous()
                 for key, t in model.state_dict().items()
-                if _KERNEL_TENSOR.fullmatch(key) is not None
+                if KERNEL_TENSOR.fullmatch(key) is not None
             }
             save_file(state, str(tmp / KERNELS_FILE), metadata={"format": "pt"})
         if tokenizer is not None:
@@ -428,146 +402,3 @@ def save_converted(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def is_converted_dir(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a directory holding a converted model (its config.json has a conversion record)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        return CONFIG_KEY in json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-
-
-def _weight_files(path: Path) -> list[Path]:
-    if (path / KERNELS_FILE).is_file():
-        return [path / KERNELS_FILE]
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return [path / name for name in sorted(set(read_json(index, what="weights index")["weight_map"].values()))]
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"path: {path} holds no model.safetensors (nor a sharded index)")
-    return [single]
-
-
-def _saved_kernel_tensors(path: Path) -> dict[int, dict[str, torch.Tensor]]:
-    out: dict[int, dict[str, torch.Tensor]] = {}
-    for file in _weight_files(path):
-        with safe_open(str(file), framework="pt") as fh:
-            for key in fh.keys():  # noqa: SIM118
-                m = _KERNEL_TENSOR.fullmatch(key)
-                if m is not None:
-                    out.setdefault(int(m[1]), {})[m[2]] = fh.get_tensor(key)
-    return out
-
-
-def _check_record(info: object, where: str) -> dict:
-    if not isinstance(info, dict) or info.get("format") != FORMAT:
-        got = info.get("format") if isinstance(info, dict) else type(info).__name__
-        raise ValueError(f"{where}: expected a conversion record of format {FORMAT!r}, got {got!r}")
-    layers, configs = info.get("layers"), info.get("kernel_configs")
-    if not isinstance(layers, list) or not isinstance(configs, dict) or sorted(configs) != sorted(map(str, layers)):
-        raise ValueError(f"{where}: the conversion record's layers and kernel_configs do not match")
-    return info
-
-
-def _load_full(path: Path, *, dtype: torch.dtype, attn_implementation: str | None) -> PreTrainedModel:
-    """The base model from the weights saved beside the kernels (``save_pretrained``)."""
-    kwargs: dict[str, Any] = {"dtype": dtype, "output_loading_info": True}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    # The kernel tensors are unknown to the base architecture: transformers would report them as unexpected
-    # keys; they are checked and loaded by load_converted instead.
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        model, loading = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    unexpected = {k for k in loading["unexpected_keys"] if _KERNEL_TENSOR.fullmatch(k) is None}
-    if loading["missing_keys"] or loading["mismatched_keys"] or unexpected:
-        raise ValueError(
-            f"{path}: the saved weights do not match the base architecture (missing {sorted(loading['missing_keys'])},"
-            f" unexpected {sorted(unexpected)}, mismatched {sorted(map(str, loading['mismatched_keys']))})"
-        )
-    return model
-
-
-#: config fields that must agree between a kernels-only directory and the base weights it names
-_ARCH_FIELDS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "max_position_embeddings",
-    "rope_theta",
-    "tie_word_embeddings",
-)
-
-
-def _load_base(path: Path, base: str, *, dtype: torch.dtype, attn_implementation: str | None) -> PreTrainedModel:
-    """The unchanged base model a kernels-only directory names, checked against its saved config."""
-    from ..models.loading import load_model
-
-    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    model = load_model(base, dtype=dtype, **kwargs)
-    saved = read_json(path / "config.json", what="model config")
-    ours = model.config.to_dict()
-    differ = [f for f in _ARCH_FIELDS if f in saved and saved.get(f) != ours.get(f)]
-    if differ:
-        raise ValueError(
-            f"{path}: the base weights {base!r} do not match the saved config in {differ} "
-            f"(saved {[saved.get(f) for f in differ]}, base {[ours.get(f) for f in differ]})"
-        )
-    return model
-
-
-def load_converted(
-    path: str | os.PathLike,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    attn_implementation: str | None = None,
-) -> PreTrainedModel:
-    """Load a model written by :func:`save_converted`: the base model in ``dtype`` (from the directory, or from
-    the recorded ``base_weights`` of a kernels-only directory), the kernels (fp32 or their own dtype) rebuilt from
-    the recorded configs and loaded from the saved tensors; in eval mode on ``device``.
-
-    Raises ValueError when the saved kernel tensors do not match the recorded configs (names, shapes, groups)
-    or the base weights do not match the architecture."""
-    path = Path(path)
-    where = str(path)
-    info = _check_record(read_json(path / "config.json", what="model config").get(CONFIG_KEY), where)
-    if info.get("base_weights") is not None:
-        model = _load_base(path, info["base_weights"], dtype=dtype, attn_implementation=attn_implementation)
-        setattr(model.config, CONFIG_KEY, info)
-    else:
-        model = _load_full(path, dtype=dtype, attn_implementation=attn_implementation)
-    tensors = _saved_kernel_tensors(path)
-
-    if sorted(tensors) != sorted(info["layers"]):
-        raise ValueError(
-            f"{where}: the saved weights hold kernels for layers {sorted(tensors)}, but config.json records the "
-            f"conversion of layers {info['layers']}"
-        )
-    kernels = {}
-    for i in info["layers"]:
-        try:
-            kernel = kernel_from_config(info["kernel_configs"][str(i)])
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{where}: layer {i}: the recorded kernel config is invalid ({e})") from None
-        load_kernel_state(kernel, tensors[i], where=f"{where}: layer {i}")
-        kernels[i] = kernel
-    for i, kernel in kernels.items():
-        try:
-            attach_kernel(model, i, kernel)
-        except ValueError as e:
-            raise ValueError(f"{where}: layer {i}: the recorded kernel does not fit the model ({e})") from None
-    return model.to(device).eval()

@@ -12,6 +12,7 @@ from .architecture import (
     num_layers,
     output_projection,
 )
+from .converted import conversion_info, is_converted_dir, load_converted
 from .hooks import (
     ATTN_IMPLEMENTATION,
     QKV,
@@ -49,11 +50,14 @@ __all__ = [
     "attention_spec",
     "cache_nbytes",
     "capture_qkv",
+    "conversion_info",
     "detach_kernel",
     "embedded_gguf_path",
     "ensure_smollm2_cache",
     "exact_attention",
     "get_attention_modules",
+    "is_converted_dir",
+    "load_converted",
     "get_decoder_layers",
     "load_model",
     "load_tokenizer",

@@ -184,7 +184,7 @@ def load_model(
     kwargs = {"dtype": dtype}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    from ..conversion.convert import is_converted_dir, load_converted  # conversion builds on this module
+    from .converted import is_converted_dir, load_converted  # it loads base weights through this module
 
     if source.kind == "local" and is_converted_dir(source.path):
         model = load_converted(source.path, **kwargs, device=device)
