@@ -147,3 +147,38 @@ def test_kernels_only_directory_loads_onto_the_named_base(make_model, tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="num_hidden_layers"):
         load_converted(out)
+
+
+def test_gate_gradient_scores_match_a_finite_difference(make_model):
+    import random
+
+    from oal.conversion import heads as heads_mod
+    from oal.evaluation.retrieval import build_prompt
+    from oal.models import attach_kernel
+
+    model = converted(make_model, "sink_window")
+    tok = byte_tokenizer()
+    hay = ["A quiet day by the sea.", "Birds fly over the hills."]
+    g = heads_mod.gate_gradient_scores(model, tok, hay, lengths=[300], prompts=1, tasks=("passkey",), progress=False)
+    assert g.shape == (4, 2) and torch.all(g[[0, 3]] == 0) and bool(g[1:3].abs().sum() > 0)
+    assert all(not isinstance(k, heads_mod._GatedKernel) for k in attached_kernels(model).values())
+    # the same prompt, by hand: log p(answer) with KV head 0 of layer 2 moved by ±eps towards softmax
+    p = build_prompt(tok, 300, random.Random("gates/2/passkey/300/0"), task="passkey", haystack=hay)
+    answer = tok(" " + p.answer, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([p.ids + answer])
+
+    def logp(eps):
+        kernels = dict(attached_kernels(model))
+        for layer, k in kernels.items():
+            alpha = torch.zeros(2, dtype=torch.float64)
+            if layer == 2:
+                alpha[0] = eps
+            attach_kernel(model, layer, heads_mod._GatedKernel(k, alpha))
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=False).logits[0, len(p.ids) - 1 : -1].double()
+        for layer, k in kernels.items():
+            attach_kernel(model, layer, k)
+        return float(out.log_softmax(-1).gather(-1, ids[0, len(p.ids) :, None]).sum())
+
+    eps = 1e-3
+    assert g[2, 0].item() == pytest.approx((logp(eps) - logp(-eps)) / (2 * eps), rel=2e-2, abs=1e-4)
