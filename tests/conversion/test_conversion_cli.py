@@ -108,3 +108,21 @@ def test_bench_decode_runs_points_in_subprocesses(base_dir, tmp_path):
     ]  # fmt: skip
     assert all("error" not in p for p in doc["points"]), doc["points"]
     assert "| 32 | converted |" in (out / "decode.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--recipe", "fastest"], "expected one of retrieval, kernel-only"),
+        (["--recipe", "retrieval", "--kernel", "global"], "--recipe fixes the kernel"),
+        (["--recipe", "retrieval", "--layers", "1-2"], "--recipe fixes the kernel"),
+    ],
+)
+def test_convert_recipe_usage_errors(base_dir, tmp_path, args, message, monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("the recipe must not run")
+
+    monkeypatch.setattr("oal.conversion.recipe.run_recipe", fail)
+    result = invoke("convert", "--model", base_dir, *args, "--out", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert "--recipe" in result.output and message in result.output

@@ -166,6 +166,10 @@ def test_cli_eval_writes_results(model, tokenizer, tiny_data, tmp_path, monkeypa
         (["--tasks", "piqa,mmlu"], "tasks"),
         (["--dtype", "int8"], "dtype"),
         (["--block-len", "1"], "block_len"),
+        (["--tasks", "passkey", "--lengths", "8"], "lengths"),
+        (["--tasks", "passkey", "--lengths", "1k"], "integers"),
+        (["--tasks", "passkey", "--trials", "0"], "trials"),
+        (["--text", "no/such/file.txt"], "no such file"),
     ],
 )
 def test_cli_rejects_bad_options_before_loading(args, message, monkeypatch):
@@ -175,3 +179,21 @@ def test_cli_rejects_bad_options_before_loading(args, message, monkeypatch):
     monkeypatch.setattr("oal.evaluation.cli.load_model_and_tokenizer", fail)
     result = CliRunner().invoke(_cli(), ["eval", *args])
     assert result.exit_code != 0 and message in result.output
+
+
+def test_cli_eval_retrieval_and_text(model, tokenizer, tmp_path):
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    text = tmp_path / "notes.txt"
+    text.write_text("the cat sat on the mat; the dog ate 42 bones. " * 20)
+    out = tmp_path / "res.json"
+    args = ["eval", "--model", str(model_dir), "--tasks", "passkey", "--lengths", "220,240", "--trials", "2"]
+    args += ["--text", str(text), "--block-len", "16", "--max-blocks", "2", "--out", str(out), "--no-progress"]
+    result = CliRunner().invoke(_cli(), [*args, "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    assert set(saved["results"]) == {"passkey", "text:notes"}
+    assert saved["config"]["retrieval"] == {"lengths": [220, 240], "trials": 2, "n_keys": 4, "seed": 0}
+    assert {"acc@220,none", "acc@240,none", "cache_mib@240,none"} <= set(saved["results"]["passkey"])
+    assert len(saved["samples"]["passkey"]) == 4 and saved["results"]["text:notes"]["n_blocks"] == 2
