@@ -36,7 +36,8 @@ def main() -> None:
     ap.add_argument("json")
     ap.add_argument("png")
     args = ap.parse_args()
-    data = json.load(open(args.json))
+    with open(args.json, encoding="utf-8") as fh:
+        data = json.load(fh)
     fig, ax = plt.subplots(figsize=(8, 5))
     for row in data["rows"]:
         if row.get("heads") or row["beta_offset"] not in (0, -5):
