@@ -64,11 +64,11 @@ def retrieval_head_scores(
         span = p.needle if target == "digits" else p.sentence
         with capture_qkv(model, device=None) as rec:
             model(input_ids=ids, use_cache=False)
+        future = torch.arange(ids.shape[1], device=device)[None, None, :] > rows[None, :, None]
         for layer in range(spec.num_layers):
             q, k, _, _, scale = rec[layer]
             logits = (q[0, :, rows].double() @ repeat_kv(k, spec.num_heads)[0].double().mT) * scale
-            keys = torch.arange(ids.shape[1], device=device)
-            logits = logits.masked_fill(keys[None, None, :] > rows[None, :, None], float("-inf"))
+            logits = logits.masked_fill(future, float("-inf"))
             mass = logits.softmax(-1)[..., span[0] : span[1]].sum(-1)  # (Hq, P)
             total[layer] += mass.mean(-1).cpu()
         count += 1

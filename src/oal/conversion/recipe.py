@@ -14,8 +14,9 @@
    (:func:`oal.conversion.heads.retrieval_head_scores`, WikiText-2 valid text as haystack) keep exact softmax
    attention with a full KV cache (:class:`oal.kernels.ExactHeadsKernel`).
 
-The result is written with :func:`save_converted` as a kernels-only directory when the base model is the
-embedded SmolLM2 (``base_weights``), so it is a few MB and loads with :func:`oal.models.load_model`.
+The result is written with :func:`save_converted` as a kernels-only directory (``base_weights``) when the base
+model is given by name (the embedded ``smollm2-135m`` or a Hub id), so it is a few MB and loads with
+:func:`oal.models.load_model`; a base given as a local directory is copied in full.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -64,17 +67,14 @@ RECIPES = {
 }
 
 
-def _timed(stages: dict, name: str):
-    class _Stage:
-        def __enter__(self):
-            self.start = time.perf_counter()
-            logger.info("recipe stage %s ...", name)
-
-        def __exit__(self, *exc):
-            stages[name] = round(time.perf_counter() - self.start, 1)
-            logger.info("recipe stage %s done in %.1f s", name, stages[name])
-
-    return _Stage()
+@contextmanager
+def _timed(stages: dict[str, float], name: str) -> Iterator[None]:
+    """Record the wall seconds of one stage in ``stages[name]``."""
+    logger.info("recipe stage %s ...", name)
+    start = time.perf_counter()
+    yield
+    stages[name] = round(time.perf_counter() - start, 1)
+    logger.info("recipe stage %s done in %.1f s", name, stages[name])
 
 
 def run_recipe(

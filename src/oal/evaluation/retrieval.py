@@ -17,7 +17,6 @@ sentences can be given instead (e.g. running text, see :func:`sentences_from_tex
 
 from __future__ import annotations
 
-import math
 import random
 import re
 import time
@@ -29,7 +28,7 @@ from rich.progress import Progress
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..models.state_cache import cache_nbytes
-from .utils import model_device
+from .utils import mean_stderr, model_device
 
 __all__ = [
     "FILLER",
@@ -255,10 +254,9 @@ def retrieval_results(task: str, records: list[dict], *, n_keys: int | None = No
     for length in sorted({r["length"] for r in records}):
         rs = [r for r in records if r["length"] == length]
         n, correct = len(rs), sum(r["correct"] for r in rs)
-        acc = correct / n
         per_length[str(length)] = {
-            "acc": acc,
-            "acc_stderr": math.sqrt(acc * (1 - acc) / (n - 1)) if n > 1 else float("nan"),
+            "acc": correct / n,
+            "acc_stderr": mean_stderr([float(r["correct"]) for r in rs]),
             "correct": correct,
             "n": n,
             "prefill_s": sum(r["prefill_s"] for r in rs) / n,

@@ -24,7 +24,7 @@ from .multiple_choice import accuracy_metrics, score_items
 from .perplexity import check_block_args, perplexity, text_blocks
 from .retrieval import RETRIEVAL_TASKS, evaluate_retrieval
 from .tasks import TASKS, Source, load_task
-from .utils import check_limit, model_device
+from .utils import check_limit, mean_stderr, model_device
 
 logger = logging.getLogger(__name__)
 
@@ -62,17 +62,16 @@ def _ppl_entries(task: str, ppl: dict) -> dict:
 
 def _retrieval_entries(task: str, res: dict) -> dict:
     """Overall accuracy over every trial, then per context length (``acc@<L>,none``)."""
-    trials = res["trials"]
-    acc = sum(r["correct"] for r in trials) / len(trials)
-    n = len(trials)
+    correct = [float(r["correct"]) for r in res["trials"]]
+    stderr = mean_stderr(correct)
     out = {
         "alias": task,
-        "acc,none": acc,
-        "acc_stderr,none": math.sqrt(acc * (1 - acc) / (n - 1)) if n > 1 else "N/A",
+        "acc,none": sum(correct) / len(correct),
+        "acc_stderr,none": "N/A" if math.isnan(stderr) else stderr,
     }
     for length, r in res["per_length"].items():
         out[f"acc@{length},none"] = r["acc"]
-        out[f"acc_stderr@{length},none"] = r["acc_stderr"] if r["n"] > 1 else "N/A"
+        out[f"acc_stderr@{length},none"] = "N/A" if math.isnan(r["acc_stderr"]) else r["acc_stderr"]
         out[f"prefill_s@{length},none"] = r["prefill_s"]
         out[f"cache_mib@{length},none"] = r["cache_mib"]
     return out

@@ -154,13 +154,14 @@ _ARCH_FIELDS = (
 )
 
 
-def _load_base(path: Path, base: str, *, dtype: torch.dtype, attn_implementation: str | None) -> PreTrainedModel:
-    """The unchanged base model a kernels-only directory names, checked against its saved config."""
+def _load_base(
+    path: Path, base: str, saved: dict, *, dtype: torch.dtype, attn_implementation: str | None
+) -> PreTrainedModel:
+    """The unchanged base model a kernels-only directory names, checked against its saved config ``saved``."""
     from .loading import load_model  # loading imports this module
 
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     model = load_model(base, dtype=dtype, **kwargs)
-    saved = read_json(path / "config.json", what="model config")
     ours = model.config.to_dict()
     differ = [f for f in _ARCH_FIELDS if f in saved and saved.get(f) != ours.get(f)]
     if differ:
@@ -186,9 +187,10 @@ def load_converted(
     or the base weights do not match the architecture."""
     path = Path(path)
     where = str(path)
-    info = _check_record(read_json(path / "config.json", what="model config").get(CONFIG_KEY), where)
+    saved = read_json(path / "config.json", what="model config")
+    info = _check_record(saved.get(CONFIG_KEY), where)
     if info.get("base_weights") is not None:
-        model = _load_base(path, info["base_weights"], dtype=dtype, attn_implementation=attn_implementation)
+        model = _load_base(path, info["base_weights"], saved, dtype=dtype, attn_implementation=attn_implementation)
         setattr(model.config, CONFIG_KEY, info)
     else:
         model = _load_full(path, dtype=dtype, attn_implementation=attn_implementation)
