@@ -8,8 +8,10 @@ from tiny import byte_tokenizer
 from oal.conversion import conversion_info, convert_model, load_converted, save_converted
 from oal.conversion.heads import add_exact_heads, rank_heads, retrieval_head_scores
 from oal.kernels import ExactHeadsKernel, ExactHeadsState, OALKernel, SinkWindowKernel
+from oal.kernels.decode import GROWTH
 from oal.models import attached_kernels, capture_qkv, detach_kernel
 from oal.models.state_cache import layer_nbytes
+from oal.ops.quadratic import cpu as cpu_kernel
 
 
 def converted(make_model, kernel="oal", model=None):
@@ -71,9 +73,12 @@ def test_cached_decoding_equals_one_pass_and_cache_holds_exact_kv(make_model, ke
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-5)
     state = cache.layers[1].state
-    assert isinstance(state, ExactHeadsState) and state.offset == 40 and state.k.shape == (1, 1, 40, 8)
-    # only the exact KV head's cache grows: 15 tokens x (k, v) x 8 dims x 4 bytes; the kernel state stays the same
-    assert layer_nbytes(cache.layers[1]) - after_prefill == 15 * 2 * 8 * 4
+    # the fused decode step gives the exact KV head's buffer GROWTH spare slots at the first step (25 -> 25 + GROWTH);
+    # without the extension the torch step appends one slot per token
+    slots = 25 + GROWTH if cpu_kernel.load("decode") is not None else 40
+    assert isinstance(state, ExactHeadsState) and state.offset == 40 and state.k.shape == (1, 1, slots, 8)
+    # only the exact KV head's cache grows: (slots - 25) x (k, v) x 8 dims x 4 bytes; the kernel state stays the same
+    assert layer_nbytes(cache.layers[1]) - after_prefill == (slots - 25) * 2 * 8 * 4
 
 
 def test_save_load_round_trip_is_bit_identical(make_model, tmp_path):
@@ -183,3 +188,32 @@ def test_gate_gradient_scores_match_a_finite_difference(make_model):
 
     eps = 1e-3
     assert g[2, 0].item() == pytest.approx((logp(eps) - logp(-eps)) / (2 * eps), rel=2e-2, abs=1e-4)
+
+
+@pytest.mark.skipif(cpu_kernel.load("decode") is None, reason="the fused CPU decode kernel did not build")
+@pytest.mark.parametrize("kernel, exact", [("oal", None), ("sink_window", None), ("sink_window", {1: [1], 2: [0]})])
+def test_generate_reaches_the_fused_decode_step_and_matches_the_torch_step(make_model, kernel, exact, monkeypatch):
+    import oal.models.hooks as hooks
+
+    model = converted(make_model, kernel)
+    if exact:
+        add_exact_heads(model, exact)
+    ids = torch.randint(0, 256, (2, 12))
+    calls = []
+    real = hooks.decode_step
+
+    def counting(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(hooks, "decode_step", counting)
+    kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        fused = model.generate(ids, **kw)
+        n_fused = len(calls)
+        with cpu_kernel.disabled():
+            plain = model.generate(ids, **kw)
+    # 7 one-token steps through 2 converted layers, every one fused; none with the extension off
+    assert n_fused == 14 and all(calls[:n_fused]) and not any(calls[n_fused:])
+    assert torch.equal(fused, plain)

@@ -196,14 +196,16 @@ def test_attach_kernel_validation(make_model):
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_kernels_refuse_padding(make_model):
+def test_padded_rows_are_evaluated_on_their_real_tokens(make_model):
     model = make_model()
-    attach_kernel(model, 2, SoftmaxKernel(6, 2, 8))
     ids = torch.randint(0, 101, (2, 10))
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[1, :3] = 0
-    with pytest.raises(ValueError, match="layer 2 .*non-causal attention mask"):
-        logits(model, ids, attention_mask=mask)
+    ref = logits(model, ids, attention_mask=mask)  # transformers' own SDPA with the padding mask
+    attach_kernel(model, 2, SoftmaxKernel(6, 2, 8))
+    got = logits(model, ids, attention_mask=mask)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1, 3:], ref[1, 3:], rtol=1e-5, atol=1e-5)
     # An all-ones padding mask is plain causal attention and is accepted.
     torch.testing.assert_close(logits(model, ids, attention_mask=torch.ones_like(mask)), logits(model, ids))
 

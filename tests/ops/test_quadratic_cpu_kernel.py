@@ -167,3 +167,51 @@ def test_fused_matches_torch_loop_any_shape(B, Hkv, ratio, N, d, dv, cs):
     (o, state), (o_loop, state_loop) = both(args, factor, chunk_size=cs, output_final_state=True)
     assert rel_rms(o, o_loop) < 1e-5
     assert rel_rms(state, state_loop) < 1e-5
+
+
+def test_factor_from_coefficients_reproduces_the_kernel():
+    from oal.ops.quadratic import factored_kernel, naive_kernel_matrix
+    from oal.ops.quadratic.utils import factor_from_coefficients
+
+    q, k, _ = make_inputs(1, 3, 3, 20, 16, 16)
+    _, _, (a, b, C), _ = random_oal(3, 16, G=4)
+    # a full-rank positive definite M as well: R = d + 1 squares
+    gen = torch.Generator().manual_seed(3)
+    A = torch.randn(3, 17, 17, generator=gen, dtype=torch.float64)
+    M = A @ A.mT / 17
+    full = (M[:, 0, 0], 2 * M[:, 0, 1:], M[:, 1:, 1:])
+    for coeffs, rank in (((a, b, C), 5), (full, 17)):
+        f = factor_from_coefficients(*coeffs)
+        assert f is not None and f.c.shape == (3, rank) and f.W.shape == (3, rank, 16)
+        got = factored_kernel(q, k, f, 0.25)
+        want = torch.stack([naive_kernel_matrix(q[0, h], k[0, h], *(x[h] for x in coeffs), 0.25) for h in range(3)])
+        torch.testing.assert_close(got[0], want, rtol=1e-9, atol=1e-12)
+
+
+def test_call_without_factor_reaches_the_fused_kernel(monkeypatch):
+    import oal.ops.quadratic.chunk as chunk
+
+    calls = []
+    real = chunk._forward_fused
+    monkeypatch.setattr(chunk, "_forward_fused", lambda *a: calls.append(1) or real(*a))
+    args, _, exact = problem(1, 9, 3, 300, 64, 64, torch.float32)
+    o, state = quadratic_attention(*args, chunk_size=64, kernel_floor=1e-6, output_final_state=True)
+    assert calls == [1]
+    ref, ref_state = quadratic_attention(*exact, mode="naive", output_final_state=True)
+    assert rel_rms(o, ref) < 1e-5 and rel_rms(state, ref_state) < 1e-5
+
+
+def test_indefinite_kernel_without_factor_stays_on_the_torch_loop(monkeypatch):
+    import oal.ops.quadratic.chunk as chunk
+    from oal.ops.quadratic.utils import factor_from_coefficients
+
+    monkeypatch.setattr(chunk, "_forward_fused", lambda *a: pytest.fail("an indefinite kernel has no factor"))
+    q, k, v = make_inputs(1, 3, 1, 50, 8, 8)
+    gen = torch.Generator().manual_seed(1)
+    C = torch.randn(3, 8, 8, generator=gen, dtype=torch.float64)
+    C = (C + C.mT) / 2
+    a, b = torch.full((3,), 5.0, dtype=torch.float64), torch.zeros(3, 8, dtype=torch.float64)
+    assert factor_from_coefficients(a, b, C) is None
+    o, _ = quadratic_attention(q.float(), k.float(), v.float(), a.float(), b.float(), C.float(), chunk_size=16)
+    ref, _ = quadratic_attention(q, k, v, a, b, C, mode="naive")
+    assert rel_rms(o, ref) < 1e-4

@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,8 @@ from ..models.converted import (
     load_converted,
     load_kernel_state,
 )
+from ..models.hf import as_oal_model, base_model_type, set_auto_map, write_remote_code
+from .card import write_model_card
 
 __all__ = [
     "CONFIG_KEY",
@@ -327,6 +329,8 @@ def convert_model(
             "oal_version": __version__,
         },
     )
+    # the model becomes its converted class (model_type oal_<base>), so any save of it keeps the kernels
+    as_oal_model(model.get_base_model() if hasattr(model, "get_base_model") else model)
     return model
 
 
@@ -340,9 +344,13 @@ def save_converted(
     tokenizer: PreTrainedTokenizerBase | None = None,
     overwrite: bool = False,
     base_weights: str | None = None,
+    measurements: Sequence[Mapping[str, str]] = (),
 ) -> Path:
     """Write a converted model (``save_pretrained``: config with the conversion record, safetensors weights
-    including the kernels, generation config) and the tokenizer if given, to ``out_dir``.
+    including the kernels, generation config), the tokenizer if given, and a model card (README.md, with the
+    measured ``measurements`` rows of :func:`oal.conversion.card.model_card`) to ``out_dir``. The config's model
+    type is the converted one (``oal_<base>``, :mod:`oal.models.hf`) and ``modeling_oal.py`` is written beside it
+    for ``trust_remote_code`` loading.
 
     ``base_weights`` (e.g. ``"smollm2-135m"``, a Hub id or a directory, as :func:`oal.models.load_model` takes
     it): write only the kernels' tensors (``kernels.safetensors``, a few MB) and the config, recording that the
@@ -381,7 +389,9 @@ def save_converted(
         if base_weights is None:
             model.save_pretrained(tmp)
         else:
+            set_auto_map(model.config)
             model.config.save_pretrained(tmp)
+            write_remote_code(tmp, base_model_type(model.config))
             if getattr(model, "generation_config", None) is not None:
                 model.generation_config.save_pretrained(tmp)
             state = {
@@ -392,6 +402,7 @@ def save_converted(
             save_file(state, str(tmp / KERNELS_FILE), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        write_model_card(tmp, measurements=measurements)
         if out.exists():
             stale = out.with_name(f".{out.name}.stale-{os.getpid()}")
             os.replace(out, stale)

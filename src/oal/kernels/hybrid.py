@@ -32,9 +32,10 @@ EXACT_HEADS = "exact-heads"
 class ExactHeadsState(NamedTuple):
     """Decoding state of :class:`ExactHeadsKernel` after ``offset`` tokens.
 
-    ``k (B, E, offset, d)`` and ``v (B, E, offset, dv)``: the keys and values of the E exact KV heads (they grow
-    with the context, like a KV cache); ``inner``: the inner kernel's state over the other KV heads (constant
-    size), None when every KV head is exact.
+    ``k (B, E, capacity, d)`` and ``v (B, E, capacity, dv)``: the keys and values of the E exact KV heads in
+    slots ``0 … offset-1`` (they grow with the context, like a KV cache; capacity ≥ offset, the slots past
+    offset are spare room the in-place decode step of :mod:`oal.kernels.decode` writes into); ``inner``: the
+    inner kernel's state over the other KV heads (constant size), None when every KV head is exact.
     """
 
     k: torch.Tensor
@@ -182,15 +183,24 @@ class ExactHeadsKernel(AttentionKernel):
         if initial_state is not None:
             if not isinstance(initial_state, ExactHeadsState):
                 raise ValueError(f"initial_state: expected an ExactHeadsState, got {type(initial_state).__name__}")
-            want = (k.shape[0], len(ex), initial_state.offset)
-            if tuple(initial_state.k.shape[:3]) != want or initial_state.k.dtype != k.dtype:
+            past = initial_state.offset
+            want = (k.shape[0], len(ex))
+            sk, sv = initial_state.k, initial_state.v
+            if (
+                tuple(sk.shape[:2]) != want
+                or sk.shape[2] < past
+                or sk.shape[-1] != k.shape[-1]
+                or sk.dtype != k.dtype
+                or tuple(sv.shape[:3]) != tuple(sk.shape[:3])
+            ):
                 raise ValueError(
-                    f"initial_state: expected exact keys of shape {want + (k.shape[-1],)} in {k.dtype}, got "
-                    f"{tuple(initial_state.k.shape)} in {initial_state.k.dtype}"
+                    f"initial_state: expected exact keys of shape {want + ('≥' + str(past), k.shape[-1])} in "
+                    f"{k.dtype} and values of the same length, got {tuple(sk.shape)} in {sk.dtype} and "
+                    f"{tuple(sv.shape)}"
                 )
-            past, inner_state = initial_state.offset, initial_state.inner
-            ke = torch.cat([initial_state.k, ke], dim=2)
-            ve = torch.cat([initial_state.v, ve], dim=2)
+            inner_state = initial_state.inner
+            ke = torch.cat([sk[:, :, :past], ke], dim=2)
+            ve = torch.cat([sv[:, :, :past], ve], dim=2)
         o = q.new_empty(q.shape[0], self.num_heads, q.shape[2], v.shape[-1])
         o[:, self._exact_q] = self._exact_forward(q[:, self._exact_q], ke, ve, past).to(o.dtype)
         new_inner = None

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils import logging as hf_logging
 
 from ..io import read_json
@@ -37,6 +39,8 @@ __all__ = [
 ]
 
 FORMAT = "oal-conversion/1"
+#: model types of converted models are ``oal_<base model type>`` (:mod:`oal.models.hf`)
+MODEL_TYPE_PREFIX = "oal_"
 CONFIG_KEY = "oal_conversion"
 #: the kernels' tensors of a directory saved with ``base_weights`` (the base weights are not copied)
 KERNELS_FILE = "kernels.safetensors"
@@ -116,9 +120,17 @@ def _check_record(info: object, where: str) -> dict:
     return info
 
 
-def _load_full(path: Path, *, dtype: torch.dtype, attn_implementation: str | None) -> PreTrainedModel:
-    """The base model from the weights saved beside the kernels (``save_pretrained``)."""
+def _load_full(path: Path, saved: dict, *, dtype: torch.dtype, attn_implementation: str | None) -> PreTrainedModel:
+    """The base model from the weights saved beside the kernels (``save_pretrained``), with the base class even
+    for a converted model type (``oal_<base>``), so that the kernels are checked and loaded here."""
     kwargs: dict[str, Any] = {"dtype": dtype, "output_loading_info": True}
+    model_type = str(saved.get("model_type", ""))
+    if model_type.startswith(MODEL_TYPE_PREFIX):
+        base = model_type.removeprefix(MODEL_TYPE_PREFIX)
+        if base not in CONFIG_MAPPING:
+            raise ValueError(f"{path}: unknown base model type {base!r} of the converted model type {model_type!r}")
+        fields = {k: v for k, v in saved.items() if k not in ("model_type", "auto_map", "architectures")}
+        kwargs["config"] = CONFIG_MAPPING[base].from_dict(fields)
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     # The kernel tensors are unknown to the base architecture: transformers would report them as unexpected
@@ -126,7 +138,10 @@ def _load_full(path: Path, *, dtype: torch.dtype, attn_implementation: str | Non
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        model, loading = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        cls = AutoModelForCausalLM
+        if "config" in kwargs:
+            cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(kwargs["config"])]
+        model, loading = cls.from_pretrained(path, **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
     unexpected = {k for k in loading["unexpected_keys"] if KERNEL_TENSOR.fullmatch(k) is None}
@@ -163,6 +178,8 @@ def _load_base(
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     model = load_model(base, dtype=dtype, **kwargs)
     ours = model.config.to_dict()
+    # a converted config names its model type oal_<base> (oal.models.hf); the base weights have <base>
+    saved = {**saved, "model_type": str(saved.get("model_type", "")).removeprefix(MODEL_TYPE_PREFIX)}
     differ = [f for f in _ARCH_FIELDS if f in saved and saved.get(f) != ours.get(f)]
     if differ:
         raise ValueError(
@@ -193,7 +210,7 @@ def load_converted(
         model = _load_base(path, info["base_weights"], saved, dtype=dtype, attn_implementation=attn_implementation)
         setattr(model.config, CONFIG_KEY, info)
     else:
-        model = _load_full(path, dtype=dtype, attn_implementation=attn_implementation)
+        model = _load_full(path, saved, dtype=dtype, attn_implementation=attn_implementation)
     tensors = _saved_kernel_tensors(path)
 
     if sorted(tensors) != sorted(info["layers"]):
@@ -214,4 +231,6 @@ def load_converted(
             attach_kernel(model, i, kernel)
         except ValueError as e:
             raise ValueError(f"{where}: layer {i}: the recorded kernel does not fit the model ({e})") from None
-    return model.to(device).eval()
+    from .hf import as_oal_model  # hf builds on this module
+
+    return as_oal_model(model).to(device).eval()

@@ -22,7 +22,9 @@ returns the new tokens' k, v unchanged; the attention function runs the kernel o
 sees one full causal sequence. Exact-softmax kernels (:class:`oal.kernels.SoftmaxKernel`) keep keys and values like
 any softmax layer. Kernels run in fp32 at least (half-precision q, k, v are cast up, the output back), and an
 attached kernel's floating tensors are never cast below fp32 (``model.to(torch.bfloat16)`` leaves them in fp32).
-Padding masks, sliding windows, softcapping and attention sinks are refused.
+Padding (left or right, one contiguous block of real tokens per row) runs row by row, each row's kernel seeing
+only its real tokens from its own state (:class:`oal.models.state_cache.RowStates`), so a padded batch gives each
+row what that sequence alone gives; packed sequences, sliding windows, softcapping and attention sinks are refused.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..kernels.base import AttentionKernel, SoftmaxKernel
+from ..kernels.decode import decode_step
 from .architecture import attention_spec, check_layer, get_attention_modules
-from .state_cache import KernelStateLayer, kernel_state_layer
+from .state_cache import KernelStateLayer, RowStates, kernel_state_layer
 
 ATTN_IMPLEMENTATION = "oal"
 KERNEL_ATTR = "oal_kernel"
@@ -124,15 +127,47 @@ def _check_kernel_call(
             raise ValueError(f"{where}: the attention argument {name!r} is not supported by kernels")
     if scaling is not None and not math.isclose(kernel.scale, scaling, rel_tol=1e-6):
         raise ValueError(f"{where}: kernel scale {kernel.scale} differs from the layer's scaling {scaling}")
-    if attention_mask is not None:
-        allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        device = allowed.device
-        causal = torch.arange(past + n, device=device)[None, :] <= torch.arange(past, past + n, device=device)[:, None]
-        if allowed.shape[-2:] != (n, past + n) or not bool((allowed == causal).all()):
-            raise ValueError(
-                f"{where}: got a non-causal attention mask (padding, packed sequences or a sliding window); "
-                "kernels support plain causal attention only"
-            )
+
+
+def _key_validity(where: str, attention_mask: torch.Tensor | None, n: int, past: int) -> torch.Tensor | None:
+    """The keys each row may use under ``attention_mask`` ``(B|1, 1|H, n, past + n)`` (bool, or additive 0/-inf):
+    None for plain causal attention (or no mask), else ``valid (B, past + n)`` bool for a padding mask — causal ∧
+    ``valid`` for every query whose own token is valid, the same or all masked or all unmasked (SDPA's mask builder
+    unmasks empty rows) for a padding query, with each row's valid tokens one contiguous block (left or right
+    padding).
+
+    Anything else (packed sequences, sliding windows, bidirectional blocks) raises."""
+    if attention_mask is None:
+        return None
+    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    device = allowed.device
+    causal = torch.arange(past + n, device=device)[None, :] <= torch.arange(past, past + n, device=device)[:, None]
+    refuse = (
+        f"{where}: got an attention mask that is neither causal nor causal with padding (packed sequences or a "
+        "sliding window); kernels support causal attention with left or right padding only"
+    )
+    if allowed.dim() != 4 or allowed.shape[-2:] != (n, past + n):
+        raise ValueError(refuse)
+    if bool((allowed == causal).all()):
+        return None
+    if allowed.shape[1] != 1 and not bool((allowed == allowed[:, :1]).all()):
+        raise ValueError(refuse)
+    rows = allowed[:, 0]
+    # the last query attends to every valid key: a left-padded row's last token is real, and a right-padded row's
+    # last (padding) query attends to the real keys before it
+    valid = rows[:, -1, :]
+    qvalid = valid[:, past:]
+    expected = (rows == (causal & valid[:, None, :])).all(-1)
+    # a padding query's row may also be all masked, or all unmasked (SDPA's guard against empty rows)
+    padding_row = ~qvalid & (~rows.any(-1) | rows.all(-1))
+    if not bool((expected | padding_row).all()):
+        raise ValueError(refuse)
+    count = valid.sum(-1)
+    first = valid.int().argmax(-1)
+    last = past + n - 1 - valid.flip(-1).int().argmax(-1)
+    if bool(((last - first + 1 != count) & (count > 0)).any()):
+        raise ValueError(refuse)
+    return valid
 
 
 def _kernel_attention(
@@ -152,6 +187,7 @@ def _kernel_attention(
     layer: KernelStateLayer | None = getattr(module, _STATE_ATTR, None)
     past = key.shape[2] - n if layer is None else layer.seen - n
     _check_kernel_call(module, kernel, n, past, attention_mask, scaling, dropout, kwargs)
+    valid = _key_validity(where, attention_mask, n, past)
     if isinstance(kernel, SoftmaxKernel) and past:
         # exact softmax keeps keys and values: decoding is transformers' own SDPA call with the kernel's scale
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=kernel.scale, **kwargs)
@@ -165,7 +201,9 @@ def _kernel_attention(
     # must not push their GEMMs back to half precision
     q, k, v = (x.float() if x.dtype in _HALF else x for x in (query, key, value))
     with torch.autocast(q.device.type, enabled=False):
-        if layer is None:
+        if valid is not None or (layer is not None and isinstance(layer.state, RowStates)):
+            o = _padded_attention(where, kernel, q, k, v, valid, layer, past)
+        elif layer is None:
             o, _ = kernel(q, k, v)
         else:
             past, state = layer.take(n)
@@ -174,11 +212,78 @@ def _kernel_attention(
                     f"{where}: the kernel returned no recurrent state for the first {past} tokens, so this cache "
                     "cannot continue; run the model with use_cache=False"
                 )
-            o, state = kernel(
-                q, k, v, mode="recurrent" if n == 1 else "chunk", initial_state=state, output_final_state=True
-            )
+            # one-token steps: the fused in-place step (the cache owns the state); the kernel's own recurrent
+            # mode where it does not apply (autograd, non-fp32, other kernels, no compiler)
+            fused = decode_step(kernel, q, k, v, state, past) if n == 1 else None
+            if fused is None:
+                fused = kernel(
+                    q, k, v, mode="recurrent" if n == 1 else "chunk", initial_state=state, output_final_state=True
+                )
+            o, state = fused
             layer.put(state)
     return o.to(value.dtype).transpose(1, 2).contiguous()
+
+
+def _step(kernel: AttentionKernel, q, k, v, state, past: int):
+    """The kernel on new tokens after ``past`` tokens summarised by ``state``: ``(o, new state)``."""
+    n = q.shape[2]
+    fused = decode_step(kernel, q, k, v, state, past) if n == 1 else None
+    if fused is None:
+        fused = kernel(q, k, v, mode="recurrent" if n == 1 else "chunk", initial_state=state, output_final_state=True)
+    return fused
+
+
+def _padded_attention(
+    where: str,
+    kernel: AttentionKernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid: torch.Tensor | None,
+    layer: KernelStateLayer | None,
+    past: int,
+) -> torch.Tensor:
+    """A padded batch, row by row: each row's kernel sees only its valid tokens (the contiguous block
+    :func:`_key_validity` checked), from its own state, exactly as that sequence alone would; padding queries
+    get output 0. With a cache the state becomes a :class:`RowStates`. ``valid``: ``(B, past + n)`` or None (all
+    new tokens valid)."""
+    B, n = q.shape[0], q.shape[2]
+    new_valid = torch.ones(B, n, dtype=torch.bool, device=q.device) if valid is None else valid[:, past:]
+    rows = None
+    if layer is not None:
+        past_, state = layer.take(n)
+        if past_ and state is None:
+            raise ValueError(f"{where}: the kernel returned no recurrent state for the first {past_} tokens")
+        rows = RowStates.split(state, B, past_)
+        if valid is not None:
+            for b, seen in enumerate(rows.seen):
+                held = valid[b, :past]
+                if int(held.sum()) != seen or (seen and not bool(held[past - seen :].all())):
+                    raise ValueError(
+                        f"{where}: row {b}: the attention mask over the {past} cached tokens does not match what the "
+                        f"cached state holds (its last {seen} tokens); a mask cannot change tokens already cached"
+                    )
+    o = q.new_zeros(B, q.shape[1], n, v.shape[-1])
+    for b in range(B):
+        idx = new_valid[b].nonzero().flatten()
+        if idx.numel() == 0:
+            continue
+        s, e = int(idx[0]), int(idx[-1]) + 1
+        sl = (slice(b, b + 1), slice(None), slice(s, e))
+        if rows is None:
+            o[sl], _ = kernel(q[sl], k[sl], v[sl])
+            continue
+        seen = rows.seen[b]
+        if seen and s:
+            raise ValueError(
+                f"{where}: row {b} continues after padding (a right-padded sequence cannot be extended from the "
+                "cache); pad on the left for generation"
+            )
+        o[sl], state_b = _step(kernel, q[sl], k[sl], v[sl], rows.rows[b], seen)
+        rows = rows.replace_row(b, state_b, seen + (e - s))
+    if layer is not None:
+        layer.put(rows)
+    return o
 
 
 def oal_attention_forward(

@@ -22,13 +22,22 @@ work unchanged). :class:`KernelCache` builds the same structure up front.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-__all__ = ["KernelCache", "KernelStateLayer", "cache_nbytes", "kernel_state_layer", "layer_nbytes", "state_nbytes"]
+__all__ = [
+    "KernelCache",
+    "KernelStateLayer",
+    "RowStates",
+    "cache_nbytes",
+    "kernel_state_layer",
+    "layer_nbytes",
+    "state_nbytes",
+]
 
 
 def _map_state(state: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
@@ -38,6 +47,36 @@ def _map_state(state: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> obj
 def state_nbytes(state: object) -> int:
     """Bytes held by the tensors of a kernel state (any pytree of tensors)."""
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor))
+
+
+class RowStates(NamedTuple):
+    """The state of a converted layer after a padded batch: one state per row (batch size 1 each, or None before
+    the row's first real token) and the number of real tokens each row's state summarises. Rows of a padded batch
+    are evaluated separately (:mod:`oal.models.hooks`), since each has its own sinks, window and state length."""
+
+    rows: tuple
+    seen: tuple[int, ...]
+
+    @classmethod
+    def split(cls, state: object, batch: int, past: int) -> RowStates:
+        """``state`` as per-row states: itself if it already is, else the batched state after ``past`` unpadded
+        tokens cut into ``batch`` rows (copies)."""
+        if isinstance(state, RowStates):
+            if len(state.rows) != batch:
+                raise ValueError(f"cache: the batch has {batch} rows, the cached per-row state {len(state.rows)}")
+            return state
+        if state is None:
+            return cls((None,) * batch, (0,) * batch)
+        return cls(tuple(_map_state(state, lambda t, b=b: t[b : b + 1].clone()) for b in range(batch)), (past,) * batch)
+
+    def replace_row(self, b: int, state: object, seen: int) -> RowStates:
+        return RowStates(self.rows[:b] + (state,) + self.rows[b + 1 :], self.seen[:b] + (seen,) + self.seen[b + 1 :])
+
+    def select(self, indices: list[int]) -> RowStates:
+        """Rows ``indices`` in that order (beam reordering, batch selection; a row may repeat)."""
+        return RowStates(
+            tuple(_map_state(self.rows[i], lambda t: t.clone()) for i in indices), tuple(self.seen[i] for i in indices)
+        )
 
 
 class KernelStateLayer(CacheLayerMixin):
@@ -134,12 +173,22 @@ class KernelStateLayer(CacheLayerMixin):
             raise ValueError("cache: a recurrent kernel state cannot be cropped (no assisted or speculative decoding)")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if isinstance(self.state, RowStates):
+            self.state = self.state.select(beam_idx.tolist())
+            return
         self.state = _map_state(self.state, lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if isinstance(self.state, RowStates):
+            self.state = self.state.select([i for i in range(len(self.state.rows)) for _ in range(repeats)])
+            return
         self.state = _map_state(self.state, lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if isinstance(self.state, RowStates):
+            picked = torch.arange(len(self.state.rows))[indices.cpu() if isinstance(indices, torch.Tensor) else indices]
+            self.state = self.state.select(picked.tolist())
+            return
         self.state = _map_state(self.state, lambda t: t[indices, ...])
 
     def offload(self) -> None:

@@ -47,6 +47,7 @@ from .utils import (
     cyclic_query_weights,
     cyclic_width,
     default_scale,
+    factor_from_coefficients,
 )
 
 DEFAULT_CHUNK = 64
@@ -103,7 +104,14 @@ def chunk_quadratic_attention(
     extra = tuple(x for x in (initial_state, key_weight) if x is not None)
     inputs = (q, k, v, a, b, C, *(factor or ()), *extra)
     args = (q, k, v, a, b, C, s, cs, initial_state, output_final_state, factor, kernel_floor, key_weight)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    if not grad and factor is None and cpu_kernel.usable(q, True) and cpu_kernel.load() is not None:
+        # a call without a factor (e.g. raw a, b, C) reaches the fused kernel through C's eigendecomposition
+        derived = factor_from_coefficients(a, b, C)
+        if derived is not None:
+            args = (*args[:10], derived, *args[11:])
+            factor = derived
+    if grad:
         o, dens, final = _forward_autograd(*args, return_denominator)
     elif cpu_kernel.usable(q, factor) and (ext := cpu_kernel.load()) is not None:
         o, dens, final = _forward_fused(ext, *args, return_denominator)

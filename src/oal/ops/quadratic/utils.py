@@ -53,6 +53,40 @@ class KernelFactor(NamedTuple):
     W: torch.Tensor
 
 
+def factor_from_coefficients(
+    a: torch.Tensor, b: torch.Tensor, C: torch.Tensor, *, rtol: float = 1e-10
+) -> KernelFactor | None:
+    """A :class:`KernelFactor` of the Eq. 3 kernel ``(a (Hq,), b (Hq, d), C (Hq, d, d))``, or None if it has none.
+
+    With x̄ = [1, x], κ = x̄ᵀ M x̄ for ``M = [[a, bᵀ/2], [b/2, C]]`` per head; an eigendecomposition
+    ``M = U Λ Uᵀ`` (fp64) writes it as ``Σ_m λ_m (U_0m + Σ_r U_rm x_r)²``, i.e. ``c_m = √λ_m U_0m``,
+    ``W_m = √λ_m U_{1:, m}``, ``c0 = 0``, keeping the R eigenvalues above ``rtol · max λ`` of each head (the
+    largest R of all heads; a head with fewer pads with zero squares). This is what lets a call without a factor
+    reach the fused CPU kernel. None when some head's M has an eigenvalue below ``-rtol · max |λ|``: such a
+    kernel is not a sum of squares (it can be negative), and only the feature-based torch path evaluates it.
+    The factor reproduces κ up to fp64 rounding of the decomposition (relative ~1e-12 · cond(M)).
+    """
+    Hq, d = b.shape
+    M = torch.empty(Hq, d + 1, d + 1, dtype=torch.float64, device=a.device)
+    with torch.no_grad():
+        M[:, 0, 0] = a.double()
+        M[:, 0, 1:] = M[:, 1:, 0] = b.double() / 2
+        M[:, 1:, 1:] = (C.double() + C.double().mT) / 2
+        lam, U = torch.linalg.eigh(M)
+        top = lam.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+        if bool((lam < -rtol * top).any()):
+            return None
+        keep = lam > rtol * top
+        R = max(1, int(keep.sum(-1).max()))
+        # eigh sorts ascending: the kept eigenvalues are the last ones of each head
+        lam, U = lam[:, -R:].clamp_min(0) * keep[:, -R:], U[:, :, -R:]
+        F = U * lam.sqrt()[:, None, :]  # (Hq, d+1, R)
+    dt = a.dtype
+    return KernelFactor(
+        c0=torch.zeros(Hq, dtype=dt, device=a.device), c=F[:, 0, :].to(dt), W=F[:, 1:, :].mT.contiguous().to(dt)
+    )
+
+
 def feature_dim(d: int) -> int:
     """Rows of one packed state: 1 + d + d(d+1)/2 (App. D, "Exact state and parameter counts")."""
     return 1 + d + d * (d + 1) // 2

@@ -1,4 +1,5 @@
-"""Fused C++ CPU kernel of the chunked operator's no-autograd forward (``chunk.cpp``), compiled on first use.
+"""Fused C++ CPU kernels, compiled on first use: the chunked operator's no-autograd forward (``chunk.cpp``) and
+the in-place decode step of a converted layer (``decode.cpp``, used by :mod:`oal.kernels.decode`).
 
 The torch-level chunk loop spends about as long around its two state GEMMs as in them (features, query weights,
 within-chunk squares, normalisation, each a separate pass and a Python dispatch), and MKL's sgemm reaches 60–70 %
@@ -8,7 +9,7 @@ the state and the features generated block by block in cache, not written out. I
 ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed; the build is cached by torch, about a
 minute the first time) and used automatically by :func:`oal.ops.quadratic.chunk.chunk_quadratic_attention` when
 nothing needs autograd, the inputs are CPU fp32 / bf16 / fp16 and a :class:`~oal.ops.quadratic.utils.KernelFactor`
-is given. If the build fails, a warning is logged once and the torch path runs.
+is given. If a build fails, a warning is logged once and the torch path runs.
 ``OAL_CPU_KERNEL=0`` disables it.
 """
 
@@ -25,7 +26,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("chunk.cpp")
+SOURCES = {"chunk": Path(__file__).with_name("chunk.cpp"), "decode": Path(__file__).with_name("decode.cpp")}
 _state: dict[str, ModuleType | None] = {}
 _enabled = [os.environ.get("OAL_CPU_KERNEL", "1") != "0"]
 
@@ -41,28 +42,31 @@ def disabled() -> Iterator[None]:
         _enabled[0] = previous
 
 
-def load() -> ModuleType | None:
-    """The compiled extension, building it on the first call; None if disabled or if the build failed."""
+def load(kind: str = "chunk") -> ModuleType | None:
+    """The compiled extension ``kind`` (``"chunk"`` or ``"decode"``), building it on the first call; None if
+    disabled or if the build failed."""
     if not _enabled[0]:
         return None
-    if "module" not in _state:
+    if kind not in _state:
         from torch.utils.cpp_extension import load as build
 
-        log.info("building the fused CPU kernel %s (first use: about a minute)", SOURCE.name)
+        source = SOURCES[kind]
+        log.info("building the fused CPU kernel %s (first use: about a minute)", source.name)
+        prefix = "oal_quadratic_cpu" if kind == "chunk" else f"oal_{kind}_cpu"
         try:
-            _state["module"] = build(
+            _state[kind] = build(
                 # -march=native: one build per instruction set, so a shared cache never runs foreign code
-                name=f"oal_quadratic_cpu_{torch.backends.cpu.get_cpu_capability().lower()}",
-                sources=[str(SOURCE)],
+                name=f"{prefix}_{torch.backends.cpu.get_cpu_capability().lower()}",
+                sources=[str(source)],
                 # -ffp-contract=fast: the tile kernel's `acc += s * b` must compile to fused multiply-adds
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
-            log.warning("fused CPU kernel unavailable, using the torch chunk loop: %s", exc)
-            _state["module"] = None
-    return _state["module"]
+            log.warning("fused CPU kernel %s unavailable, using the torch path: %s", source.name, exc)
+            _state[kind] = None
+    return _state[kind]
 
 
 def usable(q: torch.Tensor, factor: object) -> bool:

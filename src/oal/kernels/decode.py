@@ -1,0 +1,169 @@
+"""The fused decode step of a converted layer: one C++ call per layer and token on CPU, state updated in place.
+
+``kernel(q, k, v, mode="recurrent", initial_state=state, output_final_state=True)`` is the reference: it leaves
+its input state untouched and allocates the new one, and for an OAL + sinks + window layer with exact heads it
+runs some forty small torch operations (slicing heads, Eq. 3 coefficients, query weights, the kernel readout,
+the window slide, the exact part, the combination). A decode step's real work is tiny — read and update a
+``(D, dv+1)`` state per KV head, a few hundred exact keys — so that dispatch overhead was most of a converted
+model's decode latency. :func:`decode_step` computes the same outputs with ``decode.cpp``:
+
+* OAL / global kernels (:class:`OALKernel`): the packed state is read once per KV head for all its query heads
+  and updated in place (Algorithm 1, lines 6–11);
+* :class:`SinkWindowKernel`: the same, plus the exact sinks and window in one normalisation, the window
+  sliding in place;
+* :class:`ExactHeadsKernel`: the exact heads' keys/values are written into spare slots of their buffer (grown by
+  :data:`GROWTH` slots when full, so the copy is amortised), the other heads as above.
+
+It is what the model's cache uses for one-token steps (:mod:`oal.models.hooks`); because it writes into the
+state it is given, it is only for a state that nothing else holds. It applies to CPU float32 inputs and states
+with autograd off; :func:`decode_step` returns None otherwise (and when the extension cannot be built), and the
+caller runs the reference. The query-side constants (Eq. 6 query weights of the kernel heads, β) are computed once
+and reused until a parameter changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.quadratic import cpu as cpu_kernel
+from ..ops.quadratic.utils import feature_dim, query_weights
+from ..ops.sink_window import SinkWindowState
+from .hybrid import ExactHeadsKernel, ExactHeadsState
+from .oal import OALKernel, oal_coefficients
+from .sink_window import SinkWindowKernel
+
+__all__ = ["GROWTH", "decode_step"]
+
+GROWTH = 256  # spare key/value slots added to an exact head's buffer when it is full
+_CONSTANTS_ATTR = "_oal_decode_constants"
+_EMPTY = torch.empty(0)
+
+
+def _parts(kernel) -> tuple[OALKernel, SinkWindowKernel | None, tuple[int, ...], tuple[int, ...], list[int]]:
+    """(OAL kernel, sink/window wrapper or None, exact KV heads, kernel KV heads, kernel query heads)."""
+    if isinstance(kernel, ExactHeadsKernel):
+        inner = kernel.inner
+        sw = inner if isinstance(inner, SinkWindowKernel) else None
+        oal = sw.inner if sw is not None else inner
+        return oal, sw, kernel.exact_kv_heads, kernel.kernel_kv_heads, kernel._kernel_q
+    sw = kernel if isinstance(kernel, SinkWindowKernel) else None
+    oal = sw.inner if sw is not None else kernel
+    return oal, sw, (), tuple(range(kernel.num_kv_heads)), list(range(kernel.num_heads))
+
+
+def _constants(kernel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(exact KV heads, kernel KV heads, query weights (K·G, D), β (K·G,))`` as fp32 / int64 CPU tensors,
+    cached on the kernel and recomputed when any of its parameters changes (version counter or storage)."""
+    params = tuple(kernel.parameters())
+    key = tuple((p.data_ptr(), p._version) for p in params)
+    cached = getattr(kernel, _CONSTANTS_ATTR, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    oal, sw, exact, rest, kq = _parts(kernel)
+    D = feature_dim(kernel.head_dim)
+    if not kq:  # every head exact
+        consts = (torch.tensor(exact, dtype=torch.long), torch.empty(0, dtype=torch.long), torch.empty(0, D), _EMPTY)
+        object.__setattr__(kernel, _CONSTANTS_ATTR, (key, consts))
+        return consts
+    with torch.no_grad():
+        hq = torch.tensor(kq, dtype=torch.long)
+        groups, L = oal.groups.index_select(0, hq), oal.L.float().index_select(0, hq)
+        a, b, C = oal_coefficients(groups, L, oal.eps)
+        wq = query_weights(a, b, C, kernel.scale).contiguous()
+        beta = (sw.beta.float().index_select(0, hq) if sw is not None else torch.zeros(len(kq))).contiguous()
+    consts = (torch.tensor(exact, dtype=torch.long), torch.tensor(rest, dtype=torch.long), wq, beta)
+    object.__setattr__(kernel, _CONSTANTS_ATTR, (key, consts))
+    return consts
+
+
+def _fp32(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def _usable(kernel, q, k, v) -> bool:
+    if not isinstance(kernel, (OALKernel, SinkWindowKernel, ExactHeadsKernel)):
+        return False
+    if q.dim() != 4 or q.shape[2] != 1 or not _fp32(q, k, v):
+        return False
+    if torch.is_grad_enabled() and (
+        any(p.requires_grad for p in kernel.parameters()) or any(t.requires_grad for t in (q, k, v))
+    ):
+        return False
+    return cpu_kernel.load("decode") is not None
+
+
+def _grown(x: torch.Tensor, used: int) -> torch.Tensor:
+    """``x (B, E, cap, ·)`` with room for slot ``used``: itself if it has it, else a copy of its first ``used``
+    slots in a buffer of ``used + GROWTH`` slots."""
+    if x.shape[2] > used and x.is_contiguous():
+        return x
+    out = x.new_empty(x.shape[0], x.shape[1], used + GROWTH, x.shape[3])
+    out[:, :, :used] = x[:, :, :used]
+    return out
+
+
+def decode_step(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object, past: int):
+    """One token: q ``(B, Hq, 1, d)``, k ``(B, Hkv, 1, d)``, v ``(B, Hkv, 1, dv)`` after ``past`` tokens whose
+    state is ``state`` (as ``kernel.forward(..., output_final_state=True)`` returned it; written in place).
+
+    Returns ``(o (B, Hq, 1, dv), new state)`` equal to the kernel's recurrent step, or None when the fused path
+    does not apply (see the module docstring)."""
+    if state is None or not _usable(kernel, q, k, v):
+        return None
+    oal, sw, exact, rest, _ = _parts(kernel)
+    inner = state
+    ex_k = ex_v = _EMPTY
+    if isinstance(kernel, ExactHeadsKernel):
+        if not isinstance(state, ExactHeadsState) or state.offset != past:
+            return None
+        ex_k, ex_v = _grown(state.k, past), _grown(state.v, past)
+        inner = state.inner
+        if not _fp32(ex_k, ex_v):
+            return None
+    S = sink_k = sink_v = win_k = win_v = _EMPTY
+    if rest:
+        if sw is not None:
+            if not isinstance(inner, SinkWindowState) or inner.offset != past:
+                return None
+            S, sink_k, sink_v, win_k, win_v = (t.contiguous() for t in inner[:5])
+            if not _fp32(S, sink_k, sink_v, win_k, win_v):
+                return None
+        elif isinstance(inner, torch.Tensor) and _fp32(inner):
+            S = inner.contiguous()
+        else:
+            return None
+        if S.shape[2] != feature_dim(kernel.head_dim):
+            return None
+    exact_idx, kern_idx, wq, beta = _constants(kernel)
+    B, Hq, _, d = q.shape
+    dv = v.shape[-1]
+    out = q.new_empty(B, Hq, dv)
+    cpu_kernel.load("decode").decode_step(
+        q.reshape(B, Hq, d).contiguous(),
+        k.reshape(B, -1, d).contiguous(),
+        v.reshape(B, -1, dv).contiguous(),
+        out,
+        exact_idx,
+        ex_k,
+        ex_v,
+        kern_idx,
+        S,
+        wq,
+        beta,
+        sink_k,
+        sink_v,
+        win_k,
+        win_v,
+        past,
+        sw.n_sink if sw is not None else 0,
+        sw.window if sw is not None else 0,
+        kernel.scale,
+        oal.eps,
+        sw is not None and (sw.n_sink > 0 or sw.window > 0),
+    )
+    new_inner = None
+    if rest:
+        new_inner = SinkWindowState(S, sink_k, sink_v, win_k, win_v, past + 1) if sw is not None else S
+    if isinstance(kernel, ExactHeadsKernel):
+        return out.view(B, Hq, 1, dv), ExactHeadsState(ex_k, ex_v, new_inner, past + 1)
+    return out.view(B, Hq, 1, dv), new_inner
