@@ -25,8 +25,8 @@ def load(path: Path) -> tuple[str, dict]:
 
 def table(runs: list[tuple[str, dict]]) -> str:
     lines = [
-        "| run | batch | N | prefill s orig / conv | ×  | decode ms/token orig / conv | speed-up | tokens/s orig / conv "
-        "| cache MB orig / conv | × | peak RSS MB orig / conv |",
+        "| run | batch | N | prefill s orig / conv | × | decode ms/token orig / conv | speed-up | tokens/s orig / conv"
+        " | cache MB orig / conv | × | peak RSS MB orig / conv |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, doc in runs:

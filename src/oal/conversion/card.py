@@ -125,6 +125,8 @@ def measurements_from_results(
     rows: list[dict[str, str]] = []
     for name in sorted(p.name for p in original.glob("*.json") if (converted / p.name).is_file()):
         a, b = _results(original / name), _results(converted / name)
+        command = read_json(converted / name, what="evaluation results").get("config", {}).get("command")
+        command = command or f"oal eval ({name})"
         stem = name.removesuffix(".json")
         for task in sorted(set(a) & set(b)):
             for key in sorted(a[task]):
@@ -137,11 +139,12 @@ def measurements_from_results(
                     pair = (f"{a[task][key]:.3f}", f"{b[task][key]:.3f}")
                 else:
                     continue
-                rows.append({"what": what, "original": pair[0], "converted": pair[1], "command": f"oal eval ({name})"})
+                rows.append({"what": what, "original": pair[0], "converted": pair[1], "command": command})
     if decode is not None:
         doc = read_json(Path(decode), what="decode benchmark")
         points = {(p["method"], p["n"]): p for p in doc["points"]}
         cfg = doc.get("config", {})
+        bench_command = doc.get("provenance", {}).get("command") or "oal bench decode"
         tag = f"batch {cfg.get('batch', 1)}, {cfg.get('threads', '?')} threads, {cfg.get('dtype', 'fp32')}"
         for n in sorted({n for _, n in points}):
             pair = points.get(("original", n)), points.get(("converted", n))
@@ -157,7 +160,7 @@ def measurements_from_results(
                         "what": f"{label} at {n} tokens ({tag})",
                         "original": fmt.format(pair[0][field]),
                         "converted": fmt.format(pair[1][field]),
-                        "command": "oal bench decode",
+                        "command": bench_command,
                     }
                 )
     return rows

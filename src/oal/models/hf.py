@@ -194,8 +194,10 @@ except ImportError as exc:
 
 
 def set_auto_map(config: PretrainedConfig) -> None:
-    """Point the config's ``auto_map`` at :data:`REMOTE_CODE_FILE` (the trust_remote_code entry)."""
+    """Point the config's ``auto_map`` at :data:`REMOTE_CODE_FILE` (the trust_remote_code entry) and name the
+    converted class in ``architectures``."""
     config_cls, model_cls = oal_classes(base_model_type(config))
+    config.architectures = [model_cls.__name__]
     module = REMOTE_CODE_FILE.removesuffix(".py")
     config.auto_map = {
         "AutoConfig": f"{module}.{config_cls.__name__}",
