@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh clone: `make demo` runs the main job on the embedded default
-# model (offline), `make test` runs the tests. Both create .venv on first use.
+# model (offline: the committed converted SmolLM2 against the original), `make test` runs the tests. Both create
+# .venv on first use. `make reproduce-demo` runs the paper's pipeline on tiny budgets (a test of the pipeline).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ ifneq ($(wildcard ../shared/data/wikitext-2-raw),)
 export OAL_DATA_DIR ?= $(abspath ../shared/data)
 endif
 
-.PHONY: demo test test-all lint clean-venv
+.PHONY: demo reproduce-demo test test-all lint clean-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +25,10 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(OAL) reproduce --preset demo --out runs/demo
+	$(OAL) demo --out runs/demo
+
+reproduce-demo: $(STAMP)
+	$(OAL) reproduce --preset demo --out runs/reproduce_demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

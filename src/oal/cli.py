@@ -30,12 +30,13 @@ def _register_commands() -> None:
     from .analysis.cli import register as analysis
     from .bench.cli import register as bench
     from .conversion.cli import register as conversion
+    from .demo.cli import register as demo
     from .evaluation.cli import register as evaluation
     from .fidelity.cli import register as fidelity
     from .reproduce.cli import register as reproduce
     from .training.cli import register as training
 
-    for register in (analysis, bench, conversion, evaluation, fidelity, training, reproduce):
+    for register in (demo, analysis, bench, conversion, evaluation, fidelity, training, reproduce):
         register(app)
 
 
