@@ -34,8 +34,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Measure the original and the converted model side by side: held-out perplexity, passkey accuracy,
         decode latency, prefill time, cache memory and greedy continuations; one report and one figure."""
-        from .run import DemoConfig, run_demo
         from .report import rows
+        from .run import DemoConfig, run_demo
 
         if preset not in ("cpu", "gpu"):
             raise typer.BadParameter(f"expected cpu or gpu, got {preset!r}", param_hint="--preset")
