@@ -86,6 +86,11 @@ def bench_decode(w: W, out: Path) -> list:
             "--warmup", "0"]  # fmt: skip
 
 
+def demo(w: W, out: Path) -> list:
+    return ["demo", "--out", out, "--original", w["model"], "--converted", w["model"], "--data-dir", w["data"],
+            "--trials", "1", "--threads", "1"]  # fmt: skip
+
+
 def reproduce(w: W, out: Path) -> list:
     return ["reproduce", "--preset", "demo", "--out", out, "--model", w["model"], "--data", w["data"],
             "--cache", w["root"] / "qkv", "--layers", "1", "--fidelity-layers", "1", "--analyze-layer", "1",
@@ -111,6 +116,13 @@ def data(option: str, key: str):
 
 # (id, argv, text(s) the single error line must contain)
 CASES = [
+    # demo (its --converted must be a converted directory; the base line's plain model fails last)
+    ("demo-missing-model", with_(demo, "--original", lambda w: w["missing"]), "--original"),
+    ("demo-not-converted", demo, ("--converted", "converted model directory")),
+    ("demo-wrong-data", with_(demo, "--data-dir", lambda w: w["missing"]), "--data-dir"),
+    ("demo-zero-trials", with_(demo, "--trials", "0"), "--trials"),
+    ("demo-bad-lengths", with_(demo, "--decode-lengths", "8,x"), "--decode-lengths"),
+    ("demo-short-lengths", with_(demo, "--passkey-lengths", "8"), "--passkey-lengths"),
     # analyze
     ("analyze-missing-model", with_(analyze, *MISSING_MODEL), "--model"),
     ("analyze-wrong-data", with_(analyze, *data("--data", "missing")), "--data"),

@@ -18,6 +18,29 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
         raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=name) from None
 
 
+def _check_inputs(config) -> None:
+    """Bad paths and names fail here, before anything is measured or written, naming the option."""
+    import os
+
+    from ..models import is_converted_dir, resolve_model
+
+    data = config.data_dir or os.environ.get("OAL_DATA_DIR")
+    if data is None or not (Path(data) / "wikitext-2-raw").is_dir():
+        raise typer.BadParameter(
+            f"expected a data folder holding wikitext-2-raw/ (the held-out WikiText-2 test split), got {data!r}",
+            param_hint="--data-dir",
+        )
+    try:
+        resolve_model(config.original)
+    except (ValueError, FileNotFoundError) as e:
+        raise typer.BadParameter(str(e), param_hint="--original") from None
+    if not is_converted_dir(config.converted):
+        raise typer.BadParameter(
+            f"expected a converted model directory (config.json with oal_conversion), got {config.converted!r}",
+            param_hint="--converted",
+        )
+
+
 def register(app: typer.Typer) -> None:
     @app.command("demo")
     def demo(
@@ -53,7 +76,9 @@ def register(app: typer.Typer) -> None:
         try:
             config = DemoConfig.gpu(**kw) if preset == "gpu" else DemoConfig(**kw)
         except ValueError as e:
-            raise typer.BadParameter(str(e)) from None
+            field = str(e).split(":")[0]
+            raise typer.BadParameter(str(e), param_hint="--" + field.replace("_", "-")) from None
+        _check_inputs(config)
         report = run_demo(out, config)
         table = Table(title=f"{converted} against {original}")
         for col in ("", "original", "converted", "converted / original"):
