@@ -37,9 +37,11 @@ def main() -> None:
         q = torch.randn(1, 9, n, 64, generator=gen)
         k, v = (torch.randn(1, 3, n, 64, generator=gen) for _ in range(2))
         calls = {
-            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-            "without_factor": lambda: quadratic_attention(q, k, v, a, b, C, kernel_floor=1e-6),
-            "with_factor": lambda: quadratic_attention(q, k, v, a, b, C, factor=factor, kernel_floor=1e-6),
+            "sdpa": lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+            "without_factor": lambda q=q, k=k, v=v: quadratic_attention(q, k, v, a, b, C, kernel_floor=1e-6),
+            "with_factor": lambda q=q, k=k, v=v: quadratic_attention(
+                q, k, v, a, b, C, factor=factor, kernel_floor=1e-6
+            ),
         }
         times = {name: [] for name in calls}
         with torch.no_grad():
