@@ -32,7 +32,7 @@ def main() -> None:
         for n in (int(x) for x in args.sizes.split(",")):
             ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
 
-            def step(ids=ids):
+            def step(ids=ids, model=model):
                 model(ids, labels=ids, use_cache=False).loss.backward()
 
             step()
