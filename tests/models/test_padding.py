@@ -100,3 +100,17 @@ def test_packed_sequences_are_refused(make_model):
     packed[3:, :3] = False  # two sequences of 3 in one row
     with torch.no_grad(), pytest.raises(ValueError, match="packed sequences or a sliding window"):
         model(torch.arange(n)[None], attention_mask=packed[None, None], use_cache=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", KINDS)
+def test_left_padded_generate_on_cuda_equals_each_prompt_alone(make_model, kind):
+    """The same on CUDA, where the kernels' forward takes the Triton path."""
+    model = converted(make_model, kind).cuda()
+    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    ids, mask = left_padded(PROMPTS)
+    with torch.no_grad():
+        batch = model.generate(ids.cuda(), attention_mask=mask.cuda(), **kw).cpu()
+        for row, prompt in enumerate(PROMPTS):
+            alone = model.generate(torch.tensor([prompt]).cuda(), **kw).cpu()
+            assert batch[row, ids.shape[1] :].tolist() == alone[0, len(prompt) :].tolist()
