@@ -119,3 +119,28 @@ def test_eval_and_generate_load_a_finetune_run(tmp_path, model_dir, data_dir):
         make_app(), ["eval", "--model", str(model_dir), "--base-model", "x", "--tasks", "wikitext"]
     )
     assert result.exit_code != 0 and "base_model" in result.output
+
+
+def test_export_writes_a_converted_model_that_auto_classes_load(tmp_path, model_dir, data_dir):
+    """`oal finetune --export DIR` (on-the-fly conversion: the merged backbone gets a conversion record) writes a
+    directory that AutoModelForCausalLM loads as the converted model, with the merged run's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from oal.models import load_model
+    from oal.models.hf import oal_classes
+    from oal.training import load_finetuned
+
+    out, export = tmp_path / "run", tmp_path / "export"
+    args = ["finetune", "--model", str(model_dir), "--preset", "smoke", "--out", str(out), "--kernel", "oal"]
+    args += ["--layers", "1-2", "--random-groups", "3", "--updates", "2", "--block-len", "32", "--threads", "1"]
+    result = CliRunner().invoke(make_app(), [*args, "--data-dir", str(data_dir), "--export", str(export)])
+    assert result.exit_code == 0, result.output
+    loaded = AutoModelForCausalLM.from_pretrained(export)
+    assert type(loaded) is oal_classes("llama")[1]
+    reference = load_finetuned(load_model(model_dir), out, merge=True)
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=1e-6)
+    assert (export / "README.md").is_file() and (export / "model.safetensors").is_file()
+    again = CliRunner().invoke(make_app(), [*args, "--data-dir", str(data_dir), "--export", str(export)])
+    assert again.exit_code == 2 and "--export" in again.output

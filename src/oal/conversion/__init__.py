@@ -14,6 +14,7 @@ from .convert import (
     load_kernel_state,
     parse_layers,
     read_calibrated,
+    record_conversion,
     save_converted,
 )
 
@@ -32,5 +33,6 @@ __all__ = [
     "load_kernel_state",
     "parse_layers",
     "read_calibrated",
+    "record_conversion",
     "save_converted",
 ]

@@ -334,6 +334,33 @@ def convert_model(
     return model
 
 
+def record_conversion(model: PreTrainedModel) -> dict:
+    """Give a model whose kernels were attached directly (``attach_kernel``, e.g. a fine-tuning run's merged
+    backbone) the conversion record :func:`convert_model` writes, and make it its converted class, so that it
+    saves as a converted model. A model that already has a record keeps it. Returns the record."""
+    info = conversion_info(model)
+    if info is not None:
+        return info
+    kernels = attached_kernels(model)
+    if not kernels:
+        raise ValueError("model: no kernels are attached; nothing to record as a conversion")
+    names = sorted({kernel_config(k)["name"] for k in kernels.values()})
+    info = {
+        "format": FORMAT,
+        "kernel": names[0] if len(names) == 1 else "mixed",
+        "layers": sorted(kernels),
+        "seed": None,
+        "kernel_configs": {str(i): kernel_config(k) for i, k in sorted(kernels.items())},
+        "groups": None,
+        "calibrated": None,
+        "base_model": str(getattr(model.config, "_name_or_path", "") or ""),
+        "oal_version": __version__,
+    }
+    setattr(model.config, CONFIG_KEY, info)
+    as_oal_model(model)
+    return info
+
+
 # ----------------------------------------------------------------------------------------------- save / load
 
 

@@ -118,6 +118,12 @@ def register(app: typer.Typer) -> None:
         ),
         threads: int | None = typer.Option(None, help="torch CPU threads (1 is often faster on a loaded box)."),
         data_dir: Path | None = typer.Option(None, help="Data directory (default: $OAL_DATA_DIR)."),
+        export: Path | None = typer.Option(
+            None,
+            "--export",
+            help="Also write the best result as a converted model directory (adapter merged; loads with "
+            "AutoModelForCausalLM after `import oal`). Must be new or empty.",
+        ),
     ) -> None:
         """LoRA + kernel-parameter adaptation of App. F.2 on the WikiText-2 valid split (last blocks held out)."""
         from ..distributed import launched_rank
@@ -135,6 +141,8 @@ def register(app: typer.Typer) -> None:
             "seed": seed,
             "mixed_precision": "bf16" if bf16 else None,
         }
+        if export is not None and export.exists() and (not export.is_dir() or any(export.iterdir())):
+            raise typer.BadParameter(f"{export} exists and is not an empty directory", param_hint="--export")
         # bad input and damaged checkpoints end in one error line (cli_errors)
         config = preset(preset_name, **{k: v for k, v in overrides.items() if v is not None})
         model_, tokenizer = prepare_model(
@@ -163,3 +171,8 @@ def register(app: typer.Typer) -> None:
         )
         console.print(table)
         console.print(summary["data"]["note"])
+        if export is not None:
+            from .export import save_finetuned_model
+
+            save_finetuned_model(out, export)
+            console.print(f"exported the best result as a converted model: {export}")

@@ -149,3 +149,21 @@ def load_finetuned_model(
             )
     model = _apply_verified(load_model(base_model), path, merge=True)  # verified above: hash the files once
     return model.to(device=device, dtype=dtype).eval(), load_tokenizer(base_model)
+
+
+def save_finetuned_model(
+    path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    base_model: str | os.PathLike | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a fine-tuned result (a run or its ``best/``) as a shareable converted model directory: the backbone
+    with the adapter merged and the trained kernels attached, saved by :func:`oal.conversion.save_converted`
+    (converted model type, full safetensors weights, conversion record, tokenizer, model card), so that
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` after ``import oal`` loads it. Returns ``out_dir``."""
+    from ..conversion import record_conversion, save_converted
+
+    model, tokenizer = load_finetuned_model(path, base_model=base_model)
+    record_conversion(model)
+    return save_converted(model, out_dir, tokenizer=tokenizer, overwrite=overwrite)
