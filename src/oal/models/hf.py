@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from ..io import read_json
 from ..kernels import kernel_from_config
 from .converted import CONFIG_KEY, KERNELS_FILE, MODEL_TYPE_PREFIX, conversion_info
 from .hooks import attach_kernel
@@ -100,11 +101,20 @@ def _make(base: str) -> tuple[type[PretrainedConfig], type[PreTrainedModel]]:
                     f"attn_implementation only, got {sorted(kwargs)}"
                 )
             device = kwargs.get("device_map") or "cpu"
+            if not isinstance(device, (str, torch.device)) or device == "auto":
+                raise ValueError(
+                    f"device_map: a kernels-only converted directory loads onto one device ('cpu', 'cuda', "
+                    f"'cuda:N'), got {device!r}"
+                )
+            dtype = kwargs.get("dtype") or "auto"
+            if dtype == "auto":  # the dtype the weights were saved in, as transformers' "auto" means
+                dtype = getattr(torch, str(read_json(path / "config.json").get("dtype") or "float32"))
+            elif isinstance(dtype, str):
+                dtype = getattr(torch, dtype, None)
+                if not isinstance(dtype, torch.dtype):
+                    raise ValueError(f"dtype: expected a torch dtype or its name, got {kwargs['dtype']!r}")
             model = load_converted(
-                path,
-                dtype=kwargs.get("dtype") or torch.float32,
-                device=device if isinstance(device, (str, torch.device)) else "cpu",
-                attn_implementation=kwargs.get("attn_implementation"),
+                path, dtype=dtype, device=device, attn_implementation=kwargs.get("attn_implementation")
             )
             return as_oal_model(model)
         return super(model_cls, cls).from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
