@@ -101,3 +101,36 @@ def word_text(seed: int, n_bytes: int) -> str:
         lines.append(line)
         size += len(line)
     return "".join(lines)
+
+
+def convert_tiny(
+    model: torch.nn.Module,
+    *,
+    window: int | None = None,
+    n_sink: int = 2,
+    exact: dict[int, list[int]] | None = None,
+    layers: str = "1-2",
+    seed: int = 0,
+) -> torch.nn.Module:
+    """Convert a tiny model in place: OAL with 3 random dimension groups on ``layers``; with ``window``, each inside
+    ``n_sink`` sinks + a ``window``-token window; with ``exact`` ({layer: KV heads}) those heads kept exact; the
+    kernel parameters moved off their initialisation so that they matter. Returns the model."""
+    from oal.conversion import convert_model
+    from oal.conversion.heads import add_exact_heads
+    from oal.kernels import SinkWindowKernel
+    from oal.models import attach_kernel, attached_kernels, attention_spec, num_layers
+
+    spec = attention_spec(model)
+    g = torch.Generator().manual_seed(seed)
+    groups = {i: torch.randint(0, 3, (spec.num_heads, spec.head_dim), generator=g) for i in range(num_layers(model))}
+    convert_model(model, "oal", layers=layers, groups=groups)
+    if window is not None:
+        for i, k in attached_kernels(model).items():
+            attach_kernel(model, i, SinkWindowKernel(k, n_sink=n_sink, window=window))
+    if exact:
+        add_exact_heads(model, exact)
+    with torch.no_grad():
+        for k in attached_kernels(model).values():
+            for p in k.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model

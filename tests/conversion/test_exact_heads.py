@@ -3,7 +3,7 @@ save/load round trip, head ranking and retrieval-head scores on a tiny model."""
 
 import pytest
 import torch
-from tiny import byte_tokenizer
+from tiny import byte_tokenizer, convert_tiny
 
 from oal.conversion import conversion_info, convert_model, load_converted, save_converted
 from oal.conversion.heads import add_exact_heads, rank_heads, retrieval_head_scores
@@ -16,19 +16,7 @@ from oal.ops.quadratic import cpu as cpu_kernel
 
 def converted(make_model, kernel="oal", model=None):
     model = make_model("llama", num_heads=6, num_kv_heads=2) if model is None else model
-    g = torch.Generator().manual_seed(0)
-    groups = {i: torch.randint(0, 3, (6, 8), generator=g) for i in range(4)}
-    convert_model(model, "oal", layers="1-2", groups=groups)
-    if kernel == "sink_window":
-        for i, k in attached_kernels(model).items():
-            from oal.models import attach_kernel
-
-            attach_kernel(model, i, SinkWindowKernel(k, n_sink=2, window=5))
-    with torch.no_grad():
-        for k in attached_kernels(model).values():
-            for t in k.parameters():
-                t.add_(0.05 * torch.randn(t.shape, generator=g))
-    return model
+    return convert_tiny(model, window=5 if kernel == "sink_window" else None)
 
 
 def logits(model, ids):

@@ -9,27 +9,18 @@ import sys
 
 import pytest
 import torch
-from tiny import byte_tokenizer
+from tiny import byte_tokenizer, convert_tiny
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from oal.conversion import convert_model, save_converted
 from oal.kernels import OALKernel, SinkWindowKernel
-from oal.models import attach_kernel, attached_kernels, load_model
+from oal.models import attached_kernels, load_model
 from oal.models.hf import REMOTE_CODE_FILE, as_oal_model, oal_classes
 
 
 def converted(make_model, arch="llama", kind="oal"):
     model = make_model(arch, num_heads=6, num_kv_heads=2)
-    g = torch.Generator().manual_seed(0)
-    convert_model(model, "oal", layers="1-2", groups={i: torch.randint(0, 3, (6, 8), generator=g) for i in range(3)})
-    if kind == "sink_window":
-        for i, k in attached_kernels(model).items():
-            attach_kernel(model, i, SinkWindowKernel(k, n_sink=2, window=4))
-    with torch.no_grad():
-        for k in attached_kernels(model).values():
-            for p in k.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return model
+    return convert_tiny(model, window=4 if kind == "sink_window" else None)
 
 
 def logits(model, ids):

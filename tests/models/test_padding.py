@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import convert_tiny
 
-from oal.conversion import convert_model
-from oal.conversion.heads import add_exact_heads
-from oal.kernels import SinkWindowKernel
-from oal.models import KernelCache, attach_kernel, attached_kernels
+from oal.models import KernelCache
 from oal.models.state_cache import RowStates, cache_nbytes
 
 KINDS = ["oal", "sink_window", "exact"]
@@ -17,18 +15,7 @@ KINDS = ["oal", "sink_window", "exact"]
 
 def converted(make_model, kind):
     model = make_model("llama", num_heads=6, num_kv_heads=2, qk_gain=3.0)
-    g = torch.Generator().manual_seed(0)
-    convert_model(model, "oal", layers="1-2", groups={i: torch.randint(0, 3, (6, 8), generator=g) for i in range(3)})
-    if kind != "oal":
-        for i, k in attached_kernels(model).items():
-            attach_kernel(model, i, SinkWindowKernel(k, n_sink=2, window=3))
-    if kind == "exact":
-        add_exact_heads(model, {1: [1]})
-    with torch.no_grad():
-        for k in attached_kernels(model).values():
-            for p in k.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return model
+    return convert_tiny(model, window=None if kind == "oal" else 3, exact={1: [1]} if kind == "exact" else None)
 
 
 PROMPTS = [[5, 17, 3, 99, 42, 8, 8, 61, 2], [7, 7, 1], [30, 31, 32, 33, 34, 35]]

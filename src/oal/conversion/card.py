@@ -124,9 +124,9 @@ def measurements_from_results(
     original, converted = Path(original), Path(converted)
     rows: list[dict[str, str]] = []
     for name in sorted(p.name for p in original.glob("*.json") if (converted / p.name).is_file()):
-        a, b = _results(original / name), _results(converted / name)
-        command = read_json(converted / name, what="evaluation results").get("config", {}).get("command")
-        command = command or f"oal eval ({name})"
+        ours = read_json(converted / name, what="evaluation results")
+        a, b = _results(original / name), ours["results"]
+        command = ours.get("config", {}).get("command") or f"oal eval ({name})"
         stem = name.removesuffix(".json")
         for task in sorted(set(a) & set(b)):
             for key in sorted(a[task]):

@@ -2,8 +2,9 @@
 
 ``kernel(q, k, v, mode="recurrent", initial_state=state, output_final_state=True)`` is the reference: it leaves
 its input state untouched and allocates the new one, and for an OAL + sinks + window layer with exact heads it
-runs some forty small torch operations (slicing heads, Eq. 3 coefficients, query weights, the kernel readout,
-the window slide, the exact part, the combination). A decode step's real work is tiny — read and update a
+runs many small torch operations (input checks, slicing heads, Eq. 3 coefficients, query weights, the kernel
+readout, the window slide, the exact part, the combination; a whole SmolLM2 step at 512 tokens took 138 ms with
+them and 68 ms with this path, one thread). A decode step's real work is tiny — read and update a
 ``(D, dv+1)`` state per KV head, a few hundred exact keys — so that dispatch overhead was most of a converted
 model's decode latency. :func:`decode_step` computes the same outputs with ``decode.cpp``:
 

@@ -212,20 +212,15 @@ def _kernel_attention(
                     f"{where}: the kernel returned no recurrent state for the first {past} tokens, so this cache "
                     "cannot continue; run the model with use_cache=False"
                 )
-            # one-token steps: the fused in-place step (the cache owns the state); the kernel's own recurrent
-            # mode where it does not apply (autograd, non-fp32, other kernels, no compiler)
-            fused = decode_step(kernel, q, k, v, state, past) if n == 1 else None
-            if fused is None:
-                fused = kernel(
-                    q, k, v, mode="recurrent" if n == 1 else "chunk", initial_state=state, output_final_state=True
-                )
-            o, state = fused
+            o, state = _step(kernel, q, k, v, state, past)
             layer.put(state)
     return o.to(value.dtype).transpose(1, 2).contiguous()
 
 
 def _step(kernel: AttentionKernel, q, k, v, state, past: int):
-    """The kernel on new tokens after ``past`` tokens summarised by ``state``: ``(o, new state)``."""
+    """The kernel on new tokens after ``past`` tokens summarised by ``state``: ``(o, new state)``. One-token steps
+    take the fused in-place step (the cache owns the state), else the kernel's own recurrent mode (autograd,
+    non-fp32, other kernels, no compiler); several tokens the chunked mode."""
     n = q.shape[2]
     fused = decode_step(kernel, q, k, v, state, past) if n == 1 else None
     if fused is None:
