@@ -191,3 +191,21 @@ def test_fused_decode_any_shape(Hkv, ratio, d, n_prefill, n_sink, window, B):
     q, k, v = make_qkv(B, Hq, Hkv, n_prefill + 5, d)
     got, _ = run_decode(kernel, q.float(), k.float(), v.float(), n_prefill)
     torch.testing.assert_close(got.double(), reference(kernel, q, k, v), atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("kind", ["oal", "exact+sink_window"])
+def test_fused_decode_head_dim_64_and_wide_groups(kind, threads):
+    """d = 64 (the register-blocked readout with four full vectors and a scalar tail), 5 query heads per KV head
+    (two blocks of query heads over one pass of the state), one thread (whole states) and four (each state in
+    row ranges on several threads)."""
+    Hq, Hkv, d = 10, 2, 64
+    kernel = make_kernel(kind, Hq, Hkv, d, exact=(1,))
+    q, k, v = (x * 0.3 for x in make_qkv(1, Hq, Hkv, 30, d))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, _ = run_decode(kernel, q.float(), k.float(), v.float(), 20)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got.double(), reference(kernel, q, k, v), atol=2e-5, rtol=1e-4)

@@ -6,11 +6,15 @@
 //   the entering key e (the one leaving the window, or the new key without a window) updates the packed state
 //   S += φ_k(k_e) [v_e; 1]ᵀ (Eq. 5) if it belongs to the kernel set, and in the same pass over S each query head
 //   g of the group reads num_g = φ_q(q_g) S (Eq. 6); S is read once per KV head, for all its query heads, and
-//   updated in place. den = max(num[dv], floor · count). With sinks / window, the exact keys join in one
-//   normalisation with the kernel part's log-mass β + log den (../../sink_window/utils.py, combine), then the
-//   window slides by one (oldest first) and the sinks take the new key while t < n_sink.
+//   updated in place. The pass is a (G × D)·(D × dv+1) product with its accumulators in registers (a decode
+//   step is bound by reading S from memory); when the batch has fewer KV heads than 2 × threads, each state is
+//   split into row ranges run as separate tasks (split-D) and their partial sums added before the rest.
+//   den = max(num[dv], floor · count). With sinks / window, the exact keys join in one normalisation with the
+//   kernel part's log-mass β + log den (../../sink_window/utils.py, combine), then the window slides by one
+//   (oldest first) and the sinks take the new key while t < n_sink.
 // * exact heads (../../../kernels/hybrid.py): the new key/value is written at slot t of the head's buffer and
-//   each query head of the group attends, softmax, over keys 0 … t (the buffer is read once per KV head).
+//   each query head of the group attends, softmax, over keys 0 … t (the buffer is read once per KV head), in
+//   parts of EXACT_BLOCK keys run as separate tasks and combined by their maxima (split-K, as flash-decoding).
 //
 // Packed layout of φ: [1, x_1 … x_d, x_r x_t for r ≤ t row-major], the layout of utils.key_features.
 #include <torch/extension.h>
@@ -27,10 +31,38 @@ namespace {
 
 using at::Tensor;
 
+// keys of an exact head per task: an 8k head splits into 4 tasks (split-K, combined after), so the two threads
+// share one layer's few long heads instead of one thread reading them all
+constexpr int64_t EXACT_BLOCK = 2048;
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
+#pragma omp simd reduction(+ : s)  // without it the float reduction stays scalar (strict FP ordering)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// e^x for x ≤ 0 (softmax weights after the max is subtracted), branch-free so that loops over it vectorise;
+// glibc's vector expf needs -ffast-math, which would also assume away the infinities this file relies on.
+// Range reduction x = n ln2 + r, |r| ≤ ln2/2, a degree-7 Taylor-like minimax polynomial (Cephes' expf
+// coefficients), 2^n from the exponent bits; below -87 (2^-126) the result is 0. Relative error ≤ 2 ulp.
+inline float exp_nonpos(float x) {
+  const float xc = std::max(x, -87.f);
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits;  // n ≥ -125 here, so the scaled exponent stays normal
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += static_cast<int32_t>(n) * (1 << 23);
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return x < -87.f ? 0.f : out;
 }
 
 inline void axpy(float* y, float a, const float* x, int64_t n) {
@@ -51,50 +83,136 @@ struct KernelHeadArgs {
   float* out;         // (G, dv)
 };
 
-void kernel_head(const KernelHeadArgs& a, int64_t G, int64_t d, int64_t dv, int64_t t, int64_t n_sink, int64_t w,
-                 float scale, float floor, bool exact_part) {
-  const int64_t dv1 = dv + 1;
-  // the key entering the kernel set at this step: the one leaving the window, or the new key without a window
-  const float* ke = w > 0 ? a.win_k : a.k;
-  const float* ve = w > 0 ? a.win_v : a.v;
-  const bool enter = t - w >= n_sink;
-  std::vector<float> u(dv1, 0.f), acc(G * dv1, 0.f), ke_copy(ke, ke + d);
-  if (enter) {
-    std::copy(ve, ve + dv, u.begin());
-    u[dv] = 1.f;
+// Rows [r0, r1) of the packed state's layout φ = [1, x_1 … x_d, x_i x_l (i ≤ l) row-major]: row r's monomial of
+// x is φ_r(x). The row → (i, l) table has -1 for "no factor".
+struct RowTable {
+  std::vector<int32_t> i, l;
+  explicit RowTable(int64_t d) : i(1 + d + d * (d + 1) / 2, -1), l(i.size(), -1) {
+    int64_t r = 1;
+    for (int64_t a = 0; a < d; ++a, ++r) i[r] = int32_t(a);
+    for (int64_t a = 0; a < d; ++a)
+      for (int64_t b = a; b < d; ++b, ++r) i[r] = int32_t(a), l[r] = int32_t(b);
   }
-  const float* kk = ke_copy.data();
-  // one pass over the rows of S: update with the entering key, then read out for every query head
-  auto row = [&](int64_t r, float fk, const float* fq_of_g) {
-    float* s = a.S + r * dv1;
-    if (enter) axpy(s, fk, u.data(), dv1);
-    for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * dv1, fq_of_g[g] * a.wq[g * (1 + d + d * (d + 1) / 2) + r], s, dv1);
-  };
-  std::vector<float> fq(G);
-  for (int64_t g = 0; g < G; ++g) fq[g] = 1.f;
-  row(0, 1.f, fq.data());
-  for (int64_t i = 0; i < d; ++i) {
-    for (int64_t g = 0; g < G; ++g) fq[g] = a.q[g * d + i];
-    row(1 + i, kk[i], fq.data());
+  float monomial(const float* x, int64_t r) const {
+    return (i[r] < 0 ? 1.f : x[i[r]]) * (l[r] < 0 ? 1.f : x[l[r]]);
   }
-  int64_t r = 1 + d;
-  for (int64_t i = 0; i < d; ++i) {
-    for (int64_t j = i; j < d; ++j, ++r) {
-      for (int64_t g = 0; g < G; ++g) fq[g] = a.q[g * d + i] * a.q[g * d + j];
-      row(r, kk[i] * kk[j], fq.data());
+};
+
+typedef float v16 __attribute__((vector_size(64)));  // GCC vectors: AVX-512 where the CPU has it
+inline v16 load16(const float* p) {
+  v16 x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
+
+// acc (G, dv1) += Σ_{r ∈ [r0, r1)} c[g][r] S[r] for the G (≤ 4) query heads, after S[r] += Σ_j F[j][r] U[j] for
+// the n keys folded in. The readout is a (G × rows) · (rows × dv1) product whose accumulators stay in registers:
+// each row of S is loaded once (and stored once if keys fold in). NC = dv1 / 16 full vectors, the rest scalar.
+template <int G, int NC>
+void rows_pass(float* S, int64_t dv1, int64_t r0, int64_t r1, const float* c, int64_t D, const float* F,
+               const float* U, int64_t n, float* acc) {
+  v16 av[G][NC > 0 ? NC : 1];
+  for (int g = 0; g < G; ++g)
+    for (int ch = 0; ch < NC; ++ch) av[g][ch] = v16{};
+  const int64_t tail0 = int64_t(NC) * 16;
+  float at[G][16] = {};
+  for (int64_t r = r0; r < r1; ++r) {
+    float* s = S + r * dv1;
+    for (int64_t j = 0; j < n; ++j) {
+      const float fj = F[j * D + r];
+      const float* uj = U + j * dv1;
+      for (int ch = 0; ch < NC; ++ch) store16(s + ch * 16, load16(s + ch * 16) + fj * load16(uj + ch * 16));
+      for (int64_t e = tail0; e < dv1; ++e) s[e] += fj * uj[e];
+    }
+    v16 x[NC > 0 ? NC : 1];
+    for (int ch = 0; ch < NC; ++ch) x[ch] = load16(s + ch * 16);
+    for (int g = 0; g < G; ++g) {
+      const float cg = c[g * D + r];
+      for (int ch = 0; ch < NC; ++ch) av[g][ch] += cg * x[ch];
+      for (int64_t e = tail0; e < dv1; ++e) at[g][e - tail0] += cg * s[e];
     }
   }
+  for (int g = 0; g < G; ++g) {
+    float* ag = acc + g * dv1;
+    for (int ch = 0; ch < NC; ++ch) store16(ag + ch * 16, load16(ag + ch * 16) + av[g][ch]);
+    for (int64_t e = tail0; e < dv1; ++e) ag[e] += at[g][e - tail0];
+  }
+}
+
+// the same for any G and dv1, accumulating in memory (shapes the templates do not cover)
+void rows_pass_any(float* S, int64_t dv1, int64_t r0, int64_t r1, const float* c, int64_t D, int64_t G,
+                   const float* F, const float* U, int64_t n, float* acc) {
+  for (int64_t r = r0; r < r1; ++r) {
+    float* s = S + r * dv1;
+    for (int64_t j = 0; j < n; ++j) axpy(s, F[j * D + r], U + j * dv1, dv1);
+    for (int64_t g = 0; g < G; ++g) axpy(acc + g * dv1, c[g * D + r], s, dv1);
+  }
+}
+
+template <int G>
+void rows_pass_g(float* S, int64_t dv1, int64_t r0, int64_t r1, const float* c, int64_t D, const float* F,
+                 const float* U, int64_t n, float* acc) {
+  switch (dv1 / 16) {
+    case 0: return rows_pass<G, 0>(S, dv1, r0, r1, c, D, F, U, n, acc);
+    case 1: return rows_pass<G, 1>(S, dv1, r0, r1, c, D, F, U, n, acc);
+    case 2: return rows_pass<G, 2>(S, dv1, r0, r1, c, D, F, U, n, acc);
+    case 3: return rows_pass<G, 3>(S, dv1, r0, r1, c, D, F, U, n, acc);
+    case 4: return rows_pass<G, 4>(S, dv1, r0, r1, c, D, F, U, n, acc);
+    default: return rows_pass_any(S, dv1, r0, r1, c, D, G, F, U, n, acc);
+  }
+}
+
+// Phase 1 of a kernel head: rows [r0, r1) of its state. The entering key (if `enter`) updates those rows, and the
+// group's G queries read them into acc (G, dv1) (zeroed here): num_g = Σ_r φ_r(q_g) wq_gr S_r (Eq. 6).
+void kernel_rows(const KernelHeadArgs& a, bool enter, const RowTable& rows, int64_t G, int64_t d, int64_t dv,
+                 int64_t w, int64_t r0, int64_t r1, float* acc) {
+  const int64_t dv1 = dv + 1, D = int64_t(rows.i.size()), m = r1 - r0;
+  // the key entering the kernel set: the one leaving the window, or the new key without a window
+  const int64_t n = enter ? 1 : 0;
+  const float* keys = w > 0 ? a.win_k : a.k;
+  const float* vals = w > 0 ? a.win_v : a.v;
+  // query coefficients φ_r(q_g) wq_gr and the folded keys' features φ_r(k_j), for these rows only
+  std::vector<float> c(G * m), F(n * m), U(n * dv1);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = r0; r < r1; ++r) c[g * m + r - r0] = rows.monomial(a.q + g * d, r) * a.wq[g * D + r];
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t r = r0; r < r1; ++r) F[j * m + r - r0] = rows.monomial(keys + j * d, r);
+    std::copy(vals + j * dv, vals + (j + 1) * dv, U.begin() + j * dv1);
+    U[j * dv1 + dv] = 1.f;
+  }
+  std::fill(acc, acc + G * dv1, 0.f);
+  float* S = a.S + r0 * dv1;  // rows_pass indexes rows from 0 with stride m in c and F
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int64_t gb = std::min<int64_t>(4, G - g0);
+    const int64_t nb = g0 == 0 ? n : 0;  // fold once, in the first block of query heads
+    const float* cb = c.data() + g0 * m;
+    float* ab = acc + g0 * dv1;
+    switch (gb) {
+      case 1: rows_pass_g<1>(S, dv1, 0, m, cb, m, F.data(), U.data(), nb, ab); break;
+      case 2: rows_pass_g<2>(S, dv1, 0, m, cb, m, F.data(), U.data(), nb, ab); break;
+      case 3: rows_pass_g<3>(S, dv1, 0, m, cb, m, F.data(), U.data(), nb, ab); break;
+      default: rows_pass_g<4>(S, dv1, 0, m, cb, m, F.data(), U.data(), nb, ab); break;
+    }
+  }
+}
+
+// Phase 2 of a kernel head, with acc the sum of its row parts: the normalisation, and (with sinks / a window) the
+// exact part in one normalisation with the kernel part, the window slide and the sinks.
+void kernel_finish(const KernelHeadArgs& a, float* acc, int64_t G, int64_t d, int64_t dv, int64_t t,
+                   int64_t n_sink, int64_t w, float scale, float floor, bool exact_part) {
+  const int64_t dv1 = dv + 1;
   const float count = a.S[dv];  // H0's last column: keys in the kernel set so far
 
   if (!exact_part) {
     for (int64_t g = 0; g < G; ++g) {
-      const float* num = acc.data() + g * dv1;
+      const float* num = acc + g * dv1;
       const float den = std::max(num[dv], floor * count);
       for (int64_t c = 0; c < dv; ++c) a.out[g * dv + c] = num[c] / den;
     }
     return;
   }
-  // slide the window (its oldest entry has entered the state above) and fill the sinks
+  // slide the window (its oldest entry has entered the state in phase 1) and fill the sinks
   if (w > 0) {
     std::memmove(a.win_k, a.win_k + d, sizeof(float) * (w - 1) * d);
     std::memmove(a.win_v, a.win_v + dv, sizeof(float) * (w - 1) * dv);
@@ -109,13 +227,15 @@ void kernel_head(const KernelHeadArgs& a, int64_t G, int64_t d, int64_t dv, int6
   const int64_t ns = std::min(n_sink, t + 1);
   const int64_t s0 = std::max<int64_t>(0, n_sink - (t - w + 1));
   const int64_t L = ns + std::max<int64_t>(0, w - s0);
+  const float* wk = a.win_k;
+  const float* wv = a.win_v;
   std::vector<const float*> keys(L), vals(L);
   for (int64_t j = 0; j < ns; ++j) keys[j] = a.sink_k + j * d, vals[j] = a.sink_v + j * dv;
-  for (int64_t s = s0; s < w; ++s) keys[ns + s - s0] = a.win_k + s * d, vals[ns + s - s0] = a.win_v + s * dv;
+  for (int64_t s = s0; s < w; ++s) keys[ns + s - s0] = wk + s * d, vals[ns + s - s0] = wv + s * dv;
   std::vector<float> p(L);
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = a.q + g * d;
-    const float* num = acc.data() + g * dv1;
+    const float* num = acc + g * dv1;
     const float den = std::max(num[dv], floor * count);
     const float log_mass =
         count > 0.f ? a.beta[g] + std::log(den) : -std::numeric_limits<float>::infinity();
@@ -128,7 +248,7 @@ void kernel_head(const KernelHeadArgs& a, int64_t G, int64_t d, int64_t dv, int6
     float* o = a.out + g * dv;
     std::fill(o, o + dv, 0.f);
     for (int64_t j = 0; j < L; ++j) {
-      const float e = std::exp(p[j] - M);
+      const float e = exp_nonpos(p[j] - M);
       total += e;
       axpy(o, e, vals[j], dv);
     }
@@ -139,31 +259,57 @@ void kernel_head(const KernelHeadArgs& a, int64_t G, int64_t d, int64_t dv, int6
   }
 }
 
-// softmax of the G queries over keys 0 … t of one exact head (the new key already written at slot t)
-void exact_head(const float* q, const float* K, const float* V, float* out, int64_t G, int64_t d, int64_t dv,
-                int64_t t, float scale) {
-  const int64_t n = t + 1;
-  std::vector<float> logit(G * n), M(G, -std::numeric_limits<float>::infinity());
+// one split-K part of an exact head's softmax: the G queries over keys [j0, j1) (the new key already written at
+// slot t). Writes per query g the part's max M[g], Σ e^{s-M} total[g] and Σ e^{s-M} v into out (G, dv).
+void exact_part_of_head(const float* q, const float* K, const float* V, float* M, float* total, float* out, int64_t G,
+                        int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale) {
+  const int64_t n = j1 - j0;
+  std::vector<float> logit(G * n);
+  for (int64_t g = 0; g < G; ++g) M[g] = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
-    const float* kj = K + j * d;
+    const float* kj = K + (j0 + j) * d;
     for (int64_t g = 0; g < G; ++g) {
       const float s = dot(q + g * d, kj, d) * scale;
       logit[g * n + j] = s;
       M[g] = std::max(M[g], s);
     }
   }
-  std::vector<float> total(G, 0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    float* lg = logit.data() + g * n;
+    const float m = M[g];
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      lg[j] = exp_nonpos(lg[j] - m);
+      sum += lg[j];
+    }
+    total[g] = sum;
+  }
   std::fill(out, out + G * dv, 0.f);
   for (int64_t j = 0; j < n; ++j) {
-    const float* vj = V + j * dv;
-    for (int64_t g = 0; g < G; ++g) {
-      const float e = std::exp(logit[g * n + j] - M[g]);
-      total[g] += e;
-      axpy(out + g * dv, e, vj, dv);
-    }
+    const float* vj = V + (j0 + j) * dv;
+    for (int64_t g = 0; g < G; ++g) axpy(out + g * dv, logit[g * n + j], vj, dv);
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t c = 0; c < dv; ++c) out[g * dv + c] /= total[g];
+}
+
+// the exact head's output from its P parts (each M (G,), total (G,), out (G, dv), packed one after another)
+void combine_exact_parts(const float* parts, int64_t P, int64_t G, int64_t dv, float* out) {
+  const int64_t stride = G * (dv + 2);
+  for (int64_t g = 0; g < G; ++g) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < P; ++p) m = std::max(m, parts[p * stride + g]);
+    float total = 0.f;
+    float* o = out + g * dv;
+    std::fill(o, o + dv, 0.f);
+    for (int64_t p = 0; p < P; ++p) {
+      const float* part = parts + p * stride;
+      const float w = std::exp(part[g] - m);
+      total += w * part[G + g];
+      axpy(o, w, part + 2 * G + g * dv, dv);
+    }
+    const float inv = 1.f / total;
+    for (int64_t c = 0; c < dv; ++c) o[c] *= inv;
+  }
 }
 
 void check_f32(const Tensor& x, const char* name, int64_t dim) {
@@ -215,33 +361,66 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // the new keys of the exact heads first, so that every split-K part can read slot t
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < E; ++i) {
+      const int64_t h = eh[i];
+      std::memcpy(ex_k.data_ptr<float>() + ((b * E + i) * cap + t) * d, kp + (b * Hkv + h) * d, sizeof(float) * d);
+      std::memcpy(ex_v.data_ptr<float>() + ((b * E + i) * cap + t) * dv, vp + (b * Hkv + h) * dv, sizeof(float) * dv);
+    }
+  const int64_t P = (t + 1 + EXACT_BLOCK - 1) / EXACT_BLOCK;  // split-K parts per exact head
+  const int64_t part_size = G * (dv + 2);
+  std::vector<float> parts(B * E * P * part_size);
+  // row parts per kernel head: enough tasks for every thread when the batch has few heads (split-D)
+  const int64_t threads = at::get_num_threads();
+  const int64_t R = K ? std::clamp<int64_t>((2 * threads + B * K - 1) / (B * K), 1, 8) : 1;
+  std::vector<float> acc(B * K * R * G * (dv + 1));
+  const RowTable rows(K ? d : 0);
+  auto args = [&](int64_t b, int64_t j) {
+    const int64_t h = kh[j], bj = b * K + j;
+    return KernelHeadArgs{qp + (b * Hq + h * G) * d,
+                          kp + (b * Hkv + h) * d,
+                          vp + (b * Hkv + h) * dv,
+                          S.data_ptr<float>() + bj * D * (dv + 1),
+                          wq.data_ptr<float>() + j * G * D,
+                          beta.data_ptr<float>() + j * G,
+                          exact_part ? sink_k.data_ptr<float>() + bj * n_sink * d : nullptr,
+                          exact_part ? sink_v.data_ptr<float>() + bj * n_sink * dv : nullptr,
+                          exact_part ? win_k.data_ptr<float>() + bj * w * d : nullptr,
+                          exact_part ? win_v.data_ptr<float>() + bj * w * dv : nullptr,
+                          op + (b * Hq + h * G) * dv};
+  };
+  const int64_t w_eff = exact_part ? w : 0, n_sink_eff = exact_part ? n_sink : 0;
+  const bool enter = t - w_eff >= n_sink_eff;  // a key enters the kernel set (else: a sink, or the window fills)
+  // phase 1: B·K·R row parts of kernel heads, then B·E·P parts of exact heads (similar costs)
+  at::parallel_for(0, B * K * R + B * E * P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, i = task % Hkv;
-      if (i < E) {
-        const int64_t h = eh[i];
-        float* K_ = ex_k.data_ptr<float>() + (b * E + i) * cap * d;
-        float* V_ = ex_v.data_ptr<float>() + (b * E + i) * cap * dv;
-        std::memcpy(K_ + t * d, kp + (b * Hkv + h) * d, sizeof(float) * d);
-        std::memcpy(V_ + t * dv, vp + (b * Hkv + h) * dv, sizeof(float) * dv);
-        exact_head(qp + (b * Hq + h * G) * d, K_, V_, op + (b * Hq + h * G) * dv, G, d, dv, t, float(scale));
-      } else {
-        const int64_t j = i - E, h = kh[j];
-        const int64_t bj = b * K + j;
-        KernelHeadArgs a{qp + (b * Hq + h * G) * d,
-                         kp + (b * Hkv + h) * d,
-                         vp + (b * Hkv + h) * dv,
-                         S.data_ptr<float>() + bj * D * (dv + 1),
-                         wq.data_ptr<float>() + j * G * D,
-                         beta.data_ptr<float>() + j * G,
-                         exact_part ? sink_k.data_ptr<float>() + bj * n_sink * d : nullptr,
-                         exact_part ? sink_v.data_ptr<float>() + bj * n_sink * dv : nullptr,
-                         exact_part ? win_k.data_ptr<float>() + bj * w * d : nullptr,
-                         exact_part ? win_v.data_ptr<float>() + bj * w * dv : nullptr,
-                         op + (b * Hq + h * G) * dv};
-        kernel_head(a, G, d, dv, t, exact_part ? n_sink : 0, exact_part ? w : 0, float(scale), float(floor),
-                    exact_part);
+      if (task >= B * K * R) {
+        const int64_t x = task - B * K * R, part = x % P, bi = x / P, b = bi / E, i = bi % E, h = eh[i];
+        float* slot = parts.data() + x * part_size;
+        const int64_t j0 = part * EXACT_BLOCK, j1 = std::min(t + 1, j0 + EXACT_BLOCK);
+        exact_part_of_head(qp + (b * Hq + h * G) * d, ex_k.data_ptr<float>() + bi * cap * d,
+                           ex_v.data_ptr<float>() + bi * cap * dv, slot, slot + G, slot + 2 * G, G, d, dv, j0, j1,
+                           float(scale));
+        continue;
       }
+      const int64_t bj = task / R, c = task % R;
+      kernel_rows(args(bj / K, bj % K), enter, rows, G, d, dv, w_eff, D * c / R, D * (c + 1) / R,
+                  acc.data() + task * G * (dv + 1));
+    }
+  });
+  // phase 2: each kernel head from its row parts, each exact head from its split-K parts
+  at::parallel_for(0, B * K + B * E, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      if (task >= B * K) {
+        const int64_t bi = task - B * K, b = bi / E, h = eh[bi % E];
+        combine_exact_parts(parts.data() + bi * P * part_size, P, G, dv, op + (b * Hq + h * G) * dv);
+        continue;
+      }
+      float* a0 = acc.data() + task * R * G * (dv + 1);
+      for (int64_t c = 1; c < R; ++c) axpy(a0, 1.f, a0 + c * G * (dv + 1), G * (dv + 1));
+      kernel_finish(args(task / K, task % K), a0, G, d, dv, t, n_sink_eff, w_eff, float(scale), float(floor),
+                    exact_part);
     }
   });
 }
