@@ -342,3 +342,51 @@ class TestErrors:
             self.call(n_sink=2, window=3, initial_state=state._replace(offset=-1))
         with pytest.raises(ValueError, match="initial_state: the naive reference"):
             self.call(n_sink=2, window=3, initial_state=state, mode="naive")
+
+
+def _fp32(x):
+    return x.float() if isinstance(x, torch.Tensor) else KernelFactor(*(t.float() for t in x))
+
+
+@pytest.mark.parametrize(
+    "N,w,n_sink,group,split",
+    [(1, 16, 4, 3, 0), (63, 16, 4, 3, 0), (1000, 64, 4, 3, 0), (200, 0, 4, 1, 0), (200, 64, 0, 1, 0),
+     (63, 16, 4, 3, 9), (200, 64, 4, 3, 130), (5, 64, 1, 3, 2)],
+)  # fmt: skip
+def test_fused_exact_part_equals_torch_loop(N, w, n_sink, group, split, monkeypatch):
+    """The fused CPU exact part (window.cpp) against the torch block loop, fp32, with and without a state to
+    continue (split: tokens prefilled first), and against the fp64 naive reference."""
+    from oal.ops.quadratic import cpu as cpu_kernel
+
+    ext = cpu_kernel.load("window")
+    if ext is None:
+        pytest.skip("the fused CPU window kernel did not build (no C++ compiler?)")
+    calls = []
+    fused_call = ext.window_combine
+    monkeypatch.setattr(ext, "window_combine", lambda *a: calls.append(1) or fused_call(*a))
+    Hkv, d, dv = 2, 8, 4
+    q, k, v = make_inputs(2, Hkv * group, Hkv, N + split, d, dv)
+    coef, factor, beta = random_kernel(Hkv * group, d)
+    want, _ = run("naive", q, k, v, coef, factor, beta, n_sink=n_sink, window=w)
+    q32, k32, v32 = (x.float() for x in (q, k, v))
+    coef32, factor32, beta32 = tuple(_fp32(c) for c in coef), _fp32(factor), beta.float()
+
+    def chunked():
+        state = None
+        outs = []
+        if split:
+            o, state = run("chunk", q32[:, :, :split], k32[:, :, :split], v32[:, :, :split], coef32, factor32, beta32,
+                           n_sink=n_sink, window=w, output_final_state=True, chunk_size=16)  # fmt: skip
+            outs.append(o)
+        o, _ = run("chunk", q32[:, :, split:], k32[:, :, split:], v32[:, :, split:], coef32, factor32, beta32,
+                   n_sink=n_sink, window=w, initial_state=state, chunk_size=16)  # fmt: skip
+        return torch.cat([*outs, o], dim=2)
+
+    with torch.no_grad():
+        fused = chunked()
+        assert len(calls) == 1 + bool(split)  # the no-grad fp32 call reaches the fused kernel
+        with cpu_kernel.disabled():
+            loop = chunked()
+    assert len(calls) == 1 + bool(split)
+    torch.testing.assert_close(fused, loop, atol=2e-5, rtol=1e-4)
+    assert rel_rms(fused, want) < 1e-4

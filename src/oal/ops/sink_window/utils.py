@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from ..quadratic import KernelFactor, feature_dim, quadratic_attention
+from ..quadratic import cpu as cpu_kernel
 from ..quadratic.utils import Dims, _need_finite, _need_shape, _need_tensor, compute_dtype
 
 MODES = ("naive", "chunk", "recurrent")
@@ -162,25 +163,42 @@ def evaluate(
     ext_k, ext_v = seg.ext_k.to(cdt), seg.ext_v.to(cdt)
     qc = q.to(cdt)
 
-    # kernel part over K_i: the plain operator on the delayed keys ext[0 … N-1] with the sinks/padding removed
+    # kernel part over K_i: the plain operator on the delayed keys ext[0 … N-1] with the sinks/padding removed.
+    # Key p of ext is position t0 - w + p, in the kernel set iff p ≥ i0; query i reads keys p ≤ i, so queries
+    # before i0 (a fresh prompt's first n_sink + w) have none and the operator runs on queries/keys i0 … N-1 only
+    # (before i0 no key has entered the state, so the initial state is still the one to continue).
     key_weight = (torch.arange(N, device=q.device) + (t0 - w) >= n_sink).to(cdt).expand(B, Hkv, N)
-    o_kern, den, kernel_state = quadratic_attention(
-        qc,
-        ext_k[:, :, :N],
-        ext_v[:, :, :N],
-        a,
-        b,
-        C,
-        scale=scale,
-        mode=kernel_mode,
-        chunk_size=chunk_size,
-        initial_state=None if initial_state is None else initial_state.kernel,
-        output_final_state=output_final_state,
-        factor=factor,
-        kernel_floor=kernel_floor,
-        key_weight=key_weight,
-        return_denominator=True,
-    )
+    i0 = min(N, max(0, n_sink + w - t0))
+    if i0 < N:
+        o_kern, den, kernel_state = quadratic_attention(
+            qc[:, :, i0:],
+            ext_k[:, :, i0:N],
+            ext_v[:, :, i0:N],
+            a,
+            b,
+            C,
+            scale=scale,
+            mode=kernel_mode,
+            chunk_size=chunk_size,
+            initial_state=None if initial_state is None else initial_state.kernel,
+            output_final_state=output_final_state,
+            factor=factor,
+            kernel_floor=kernel_floor,
+            key_weight=key_weight[:, :, i0:],
+            return_denominator=True,
+        )
+    else:
+        o_kern, den = qc.new_zeros(B, Hq, 0, dv), qc.new_zeros(B, Hq, 0)
+        kernel_state = None
+        if output_final_state:
+            kernel_state = (
+                initial_state.kernel.clone()
+                if initial_state is not None
+                else qc.new_zeros(B, Hkv, feature_dim(d), dv + 1)
+            )
+    if i0:  # no kernel keys: output and denominator 0 (log_mass below is then -inf)
+        o_kern = torch.cat([o_kern.new_zeros(B, Hq, i0, dv), o_kern], dim=2)
+        den = torch.cat([den.new_zeros(B, Hq, i0), den], dim=2)
     count = key_weight.cumsum(-1)  # kernel keys each query sees, (B, Hkv, N)
     if initial_state is not None:
         count = count + initial_state.kernel[:, :, :1, dv].to(cdt)
@@ -196,6 +214,22 @@ def evaluate(
 
     if n_sink == 0 and w == 0:
         o = o_kern  # no exact set: the plain kernel, whatever β
+    elif _fused_window_usable(qc, ext_k, ext_v, log_mass, o_kern):
+        o = torch.empty_like(o_kern)
+        cpu_kernel.load("window").window_combine(
+            qc.reshape(B, Hkv, G, N, d).contiguous(),
+            ext_k.contiguous(),
+            ext_v.contiguous(),
+            seg.sink_k.to(cdt).contiguous(),
+            seg.sink_v.to(cdt).contiguous(),
+            log_mass.contiguous(),
+            o_kern.contiguous(),
+            o,
+            t0,
+            n_sink,
+            w,
+            scale,
+        )
     else:
         q_groups = qc.view(B, Hkv, G, N, d)
         sink_k, sink_v = seg.sink_k.to(cdt), seg.sink_v.to(cdt)
@@ -228,6 +262,16 @@ def evaluate(
             offset=t0 + N,
         )
     return o, final
+
+
+def _fused_window_usable(*tensors: torch.Tensor) -> bool:
+    """Whether the exact part can run on the fused CPU kernel (``window.cpp``): CPU fp32, nothing needing
+    autograd, the extension available."""
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return cpu_kernel.load("window") is not None
 
 
 def _exact_keys(

@@ -1,5 +1,6 @@
-"""Fused C++ CPU kernels, compiled on first use: the chunked operator's no-autograd forward (``chunk.cpp``) and
-the in-place decode step of a converted layer (``decode.cpp``, used by :mod:`oal.kernels.decode`).
+"""Fused C++ CPU kernels, compiled on first use: the chunked operator's no-autograd forward (``chunk.cpp``), the
+in-place decode step of a converted layer (``decode.cpp``, used by :mod:`oal.kernels.decode`) and the exact part
+of the sink/window operator over a prompt (``window.cpp``, used by :mod:`oal.ops.sink_window.utils`).
 
 The torch-level chunk loop spends about as long around its two state GEMMs as in them (features, query weights,
 within-chunk squares, normalisation, each a separate pass and a Python dispatch), and MKL's sgemm reaches 60–70 %
@@ -26,7 +27,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = {"chunk": Path(__file__).with_name("chunk.cpp"), "decode": Path(__file__).with_name("decode.cpp")}
+SOURCES = {kind: Path(__file__).with_name(f"{kind}.cpp") for kind in ("chunk", "decode", "window")}
 _state: dict[str, ModuleType | None] = {}
 _enabled = [os.environ.get("OAL_CPU_KERNEL", "1") != "0"]
 
@@ -43,8 +44,8 @@ def disabled() -> Iterator[None]:
 
 
 def load(kind: str = "chunk") -> ModuleType | None:
-    """The compiled extension ``kind`` (``"chunk"`` or ``"decode"``), building it on the first call; None if
-    disabled or if the build failed."""
+    """The compiled extension ``kind`` (``"chunk"``, ``"decode"`` or ``"window"``), building it on the first
+    call; None if disabled or if the build failed."""
     if not _enabled[0]:
         return None
     if kind not in _state:
