@@ -195,11 +195,12 @@ def test_fused_decode_any_shape(Hkv, ratio, d, n_prefill, n_sink, window, B):
 
 @pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("kind", ["oal", "exact+sink_window"])
-def test_fused_decode_head_dim_64_and_wide_groups(kind, threads):
-    """d = 64 (the register-blocked readout with four full vectors and a scalar tail), 5 query heads per KV head
-    (two blocks of query heads over one pass of the state), one thread (whole states) and four (each state in
-    row ranges on several threads)."""
-    Hq, Hkv, d = 10, 2, 64
+@pytest.mark.parametrize("d", [64, 96])
+def test_fused_decode_head_dim_64_and_wide_groups(kind, threads, d):
+    """d = 64 (the register-blocked readout with four full vectors and a scalar tail) and 96 (wider than the
+    register-blocked shapes: the generic readout), 5 query heads per KV head (two blocks of query heads over one
+    pass of the state), one thread (whole states) and four (each state in row ranges on several threads)."""
+    Hq, Hkv = 10, 2
     kernel = make_kernel(kind, Hq, Hkv, d, exact=(1,))
     q, k, v = (x * 0.3 for x in make_qkv(1, Hq, Hkv, 30, d))
     previous = torch.get_num_threads()

@@ -25,30 +25,7 @@ namespace {
 
 using at::Tensor;
 
-// e^x for x ≤ 0, branch-free so that loops over it vectorise (the same function as decode.cpp's, see there)
-inline float exp_nonpos(float x) {
-  const float xc = std::max(x, -87.f);
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  int32_t bits;  // n ≥ -125 here, so the scaled exponent stays normal
-  std::memcpy(&bits, &p, sizeof(bits));
-  bits += static_cast<int32_t>(n) * (1 << 23);
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return x < -87.f ? 0.f : out;
-}
-
-void check_f32(const Tensor& x, const char* name, int64_t dim) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.is_contiguous() && x.dim() == dim,
-              name, ": expected a contiguous CPU float32 tensor with ", dim, " dimensions");
-}
+#include "common.h"
 
 // q (B, Hkv, G, N, d); ext_k (B, Hkv, w + N, d), ext_v (…, dv): the window buffer followed by the segment;
 // sink_k (B, Hkv, n_sink, d), sink_v (…, dv); log_mass (B, Hkv, G, N); o_kern (B, Hkv, G, N, dv);
