@@ -45,6 +45,8 @@ void window_combine(const Tensor& q, const Tensor& ext_k, const Tensor& ext_v, c
   TORCH_CHECK(ext_k.size(2) == w + N && ext_v.size(2) == w + N, "ext_k, ext_v: expected w + N = ", w + N, " keys");
   TORCH_CHECK(sink_k.size(2) == n_sink && sink_v.size(2) == n_sink, "sink_k, sink_v: expected ", n_sink, " sinks");
   TORCH_CHECK(o_kern.size(4) == dv && out.size(4) == dv && log_mass.size(3) == N, "o_kern, out, log_mass: shapes");
+  // with a sink or a window every query has an exact key (sink 0, or its own position), so no block is empty
+  TORCH_CHECK(n_sink + w > 0, "n_sink, w: expected an exact part (n_sink + w > 0)");
   const float sc = float(scale);
   const float* qp = q.data_ptr<float>();
   const float* ekp = ext_k.data_ptr<float>();
@@ -67,12 +69,6 @@ void window_combine(const Tensor& q, const Tensor& ext_k, const Tensor& ext_v, c
       const int64_t ns = std::min(n_sink, t0 + i_hi);  // sinks some query of the block reaches
       const int64_t lo = std::max(i_lo + 1, n_sink + w - t0), hi = i_hi + w;  // window keys of the block
       const int64_t nw = std::max<int64_t>(0, hi - lo), L = ns + nw;
-      if (L == 0) {  // no exact key for any query of the block: the kernel part alone
-        for (int64_t g = 0; g < G; ++g)
-          std::memcpy(op + ((bh * G + g) * N + i_lo) * dv, okp + ((bh * G + g) * N + i_lo) * dv,
-                      sizeof(float) * nq * dv);
-        continue;
-      }
       at::Tensor Q = at::empty({rows, d}, opts), K = at::empty({L, d}, opts), V = at::empty({L, dv}, opts);
       for (int64_t g = 0; g < G; ++g)
         std::memcpy(Q.data_ptr<float>() + g * nq * d, qp + ((bh * G + g) * N + i_lo) * d, sizeof(float) * nq * d);
