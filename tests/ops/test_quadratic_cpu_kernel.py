@@ -135,12 +135,18 @@ def test_key_weights(floor):
     assert rel_rms(torch.cat([head[0], tail[0]], dim=2), fused.o) < 1e-6
 
 
-def test_gradients_still_use_autograd_path():
+def test_gradients_of_the_fused_path_equal_the_torch_loop():
+    """With gradients the fused forward runs too (its backward: test_quadratic_cpu_backward.py)."""
     args, factor, _ = problem(1, 3, 1, 40, 16, 16, torch.float32)
     q = args[0].clone().requires_grad_()
     o, _ = quadratic_attention(q, *args[1:], factor=factor, chunk_size=16)
     o.sum().backward()
-    assert q.grad is not None and torch.isfinite(q.grad).all()
+    q_loop = args[0].clone().requires_grad_()
+    with cpu_kernel.disabled():
+        o_loop, _ = quadratic_attention(q_loop, *args[1:], factor=factor, chunk_size=16)
+    o_loop.sum().backward()
+    assert rel_rms(o.detach(), o_loop.detach()) < 1e-6
+    assert rel_rms(q.grad, q_loop.grad) < 1e-5
 
 
 def test_disabled_and_unsupported_calls_use_torch_loop():

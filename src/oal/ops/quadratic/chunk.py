@@ -21,9 +21,11 @@ Layout choices, all for speed on CPUs and a small working set:
   (:func:`_forward_fused`): the same arithmetic in its own register-tiled kernel, features never written out.
 * Otherwise without autograd (:func:`_forward_no_grad`) each (batch, KV head) runs on 2-D GEMMs with every per-chunk
   tensor written into a buffer allocated once (cache-hot writes are several times faster than fresh
-  allocations) and the constant columns of ``[x, 1]`` and ``[v, 1]`` filled once; with autograd
-  (:func:`_forward_autograd`) the same steps run out-of-place, so the function is differentiable in q, k, v,
-  a, b, C, the factor and the initial state.
+  allocations) and the constant columns of ``[x, 1]`` and ``[v, 1]`` filled once.
+* With autograd, on CPU, with a factor, :class:`_FusedChunk` runs that forward (the torch loop in fp64) and the
+  fused reverse chunk scan ``chunk_backward`` of :mod:`.cpu` (states recomputed per chunk, features never stored
+  for the sequence); otherwise (:func:`_forward_autograd`) the same steps run out-of-place through autograd.
+  Either way the function is differentiable in q, k, v, a, b, C, the factor, the initial state and the key weights.
 """
 
 from __future__ import annotations
@@ -111,7 +113,11 @@ def chunk_quadratic_attention(
         if derived is not None:
             args = (*args[:10], derived, *args[11:])
             factor = derived
-    if grad:
+    if grad and factor is not None and _fused_backward_usable(q) and (ext := cpu_kernel.load()) is not None:
+        o, dens, final = _FusedChunk.apply(
+            q, k, v, a, b, C, *factor, initial_state, key_weight, s, cs, output_final_state, kernel_floor, ext
+        )
+    elif grad:
         o, dens, final = _forward_autograd(*args, return_denominator)
     elif cpu_kernel.usable(q, factor) and (ext := cpu_kernel.load()) is not None:
         o, dens, final = _forward_fused(ext, *args, return_denominator)
@@ -212,6 +218,106 @@ def _forward_autograd(
         if output_final_state:
             finals.append(state[:, cyc_of_canon])
     return o, dens, torch.stack(finals, dim=1) if output_final_state else None
+
+
+def _fused_backward_usable(q: torch.Tensor) -> bool:
+    """Whether a call that needs gradients can run on :class:`_FusedChunk` (before building the extension):
+    CPU inputs in a dtype the fused forward takes, or fp64 (forward on the torch loop, backward in fp64)."""
+    return cpu_kernel.usable(q if q.dtype != torch.float64 else q.new_empty(0, dtype=torch.float32), True)
+
+
+class _FusedChunk(torch.autograd.Function):
+    """The chunked operator with the fused CPU backward (``chunk_backward`` in ``cpu/chunk.cpp``).
+
+    Forward: the fused kernel (fp32 / bf16 / fp16 inputs) or the no-grad torch loop (fp64); it keeps only the
+    inputs, ``o`` and the denominators. Backward: the reverse chunk scan in the accumulation dtype (fp32, fp64 for
+    fp64 inputs) gives the gradients of q, k, v, the key weights, the initial state and the query-side coefficients
+    ``(w, scale·W, c, c0)``; autograd takes the latter back to a, b, C and the factor. Where the floor clamps a
+    denominator its gradient is 0; a query that has seen no key has the denominator max(0, 0), whose gradient is
+    split in halves as torch's ``maximum`` does. Not twice differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, a, b, C, c0, c, W, initial_state, key_weight, s, cs, output_final_state, floor, ext):
+        factor = KernelFactor(c0, c, W)
+        args = (q, k, v, a, b, C, s, cs, initial_state, output_final_state, factor, floor, key_weight)
+        if q.dtype == torch.float64:
+            o, dens, final = _forward_no_grad(*args, True)
+        else:
+            o, dens, final = _forward_fused(ext, *args, True)
+        ctx.save_for_backward(q, k, v, a, b, C, c0, c, W, initial_state, key_weight, o, dens)
+        ctx.config = (s, cs, output_final_state, floor, ext)
+        ctx.set_materialize_grads(False)
+        return o, dens, final
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_o, d_den, d_final):
+        q, k, v, a, b, C, c0, c, W, initial_state, key_weight, o, dens = ctx.saved_tensors
+        s, cs, output_final_state, floor, ext = ctx.config
+        needs = ctx.needs_input_grad
+        B, Hkv, dv = q.shape[0], k.shape[1], v.shape[-1]
+        cdt = compute_dtype(q.dtype)
+        canon_of_cyc, cyc_of_canon = cyclic_maps(q.shape[-1], q.device)
+        empty = q.new_empty(0, dtype=cdt)
+
+        def prep(x):
+            return x.detach().to(cdt).contiguous()
+
+        with torch.enable_grad():  # the coefficients once more, to take their gradients back to a, b, C, the factor
+            leaves = [
+                x.detach().to(cdt).requires_grad_(need) for x, need in zip((a, b, C, c0, c, W), needs[3:9], strict=True)
+            ]
+            coeffs = _query_coefficients(*leaves[:3], KernelFactor(*leaves[3:]), s, cdt, Hkv)
+        state0 = empty if initial_state is None else prep(initial_state)[:, :, canon_of_cyc].contiguous()
+        d_fin = empty
+        if output_final_state and d_final is not None:  # adjoint of final = S[cyc_of_canon]
+            d_fin = torch.zeros(B, Hkv, canon_of_cyc.numel(), dv + 1, dtype=cdt, device=q.device)
+            d_fin.index_add_(2, cyc_of_canon, prep(d_final))
+        dq, dk, dvv, dw, dfw, dfc, dc0, dstate, dkw = ext.chunk_backward(
+            prep(q),
+            prep(k),
+            prep(v),
+            *(prep(x) for x in coeffs),
+            state0,
+            empty if key_weight is None else prep(key_weight),
+            -1.0 if floor is None else float(floor),
+            cs,
+            prep(o),
+            prep(dens),
+            torch.zeros(o.shape, dtype=cdt, device=q.device) if d_o is None else prep(d_o),
+            empty if d_den is None else prep(d_den),
+            d_fin,
+            initial_state is not None and needs[9],
+            key_weight is not None and needs[10],
+        )
+        param_grads = [None] * 6
+        pairs = [(x, g) for x, g in zip(coeffs, (dw.view_as(coeffs[0]), dfw, dfc, dc0), strict=True) if x.requires_grad]
+        wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
+        if pairs and wanted:
+            outs, gouts = zip(*pairs, strict=True)
+            got = torch.autograd.grad(outs, [leaves[i] for i in wanted], gouts, allow_unused=True)
+            originals = (a, b, C, c0, c, W)
+            for i, g in zip(wanted, got, strict=True):
+                param_grads[i] = None if g is None else g.to(originals[i].dtype)
+        d_init = None
+        if initial_state is not None and needs[9]:  # adjoint of S0 = initial_state[canon_of_cyc]
+            d_init = torch.zeros(initial_state.shape, dtype=cdt, device=q.device).index_add_(2, canon_of_cyc, dstate)
+            d_init = d_init.to(initial_state.dtype)
+        d_kw = dkw.to(key_weight.dtype) if key_weight is not None and needs[10] else None
+        return (
+            dq.to(q.dtype) if needs[0] else None,
+            dk.to(k.dtype) if needs[1] else None,
+            dvv.to(v.dtype) if needs[2] else None,
+            *param_grads,
+            d_init,
+            d_kw,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _forward_fused(

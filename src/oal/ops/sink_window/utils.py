@@ -215,8 +215,7 @@ def evaluate(
     if n_sink == 0 and w == 0:
         o = o_kern  # no exact set: the plain kernel, whatever β
     elif _fused_window_usable(qc, ext_k, ext_v, log_mass, o_kern):
-        o = torch.empty_like(o_kern)
-        cpu_kernel.load("window").window_combine(
+        o = _FusedWindow.apply(
             qc.reshape(B, Hkv, G, N, d).contiguous(),
             ext_k.contiguous(),
             ext_v.contiguous(),
@@ -224,11 +223,11 @@ def evaluate(
             seg.sink_v.to(cdt).contiguous(),
             log_mass.contiguous(),
             o_kern.contiguous(),
-            o,
             t0,
             n_sink,
             w,
             scale,
+            cpu_kernel.load("window"),
         )
     else:
         q_groups = qc.view(B, Hkv, G, N, d)
@@ -265,13 +264,33 @@ def evaluate(
 
 
 def _fused_window_usable(*tensors: torch.Tensor) -> bool:
-    """Whether the exact part can run on the fused CPU kernel (``window.cpp``): CPU fp32, nothing needing
-    autograd, the extension available."""
+    """Whether the exact part can run on the fused CPU kernel (``window.cpp``): CPU fp32, the extension available."""
     if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
     return cpu_kernel.load("window") is not None
+
+
+class _FusedWindow(torch.autograd.Function):
+    """The exact part and the combination (:func:`combine` over every block) on ``window.cpp``: forward
+    ``window_combine``, backward ``window_backward`` (each block's weights recomputed, nothing stored but the
+    inputs and the output). Shapes as :func:`combine`'s for the whole segment: q ``(B, Hkv, G, N, d)``, ext_k / ext_v
+    ``(B, Hkv, w + N, ·)``, sink_k / sink_v ``(B, Hkv, n_sink, ·)``, log_mass ``(B, Hkv, G, N)``, o_kern
+    ``(B, Hkv, G, N, dv)``; all contiguous CPU fp32. Not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, ext_k, ext_v, sink_k, sink_v, log_mass, o_kern, t0, n_sink, w, scale, ext):
+        out = torch.empty_like(o_kern)
+        ext.window_combine(q, ext_k, ext_v, sink_k, sink_v, log_mass, o_kern, out, t0, n_sink, w, scale)
+        ctx.save_for_backward(q, ext_k, ext_v, sink_k, sink_v, log_mass, o_kern, out)
+        ctx.config = (t0, n_sink, w, scale, ext)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):
+        t0, n_sink, w, scale, ext = ctx.config
+        grads = ext.window_backward(*ctx.saved_tensors, d_out.contiguous(), t0, n_sink, w, scale)
+        return (*grads, None, None, None, None, None)
 
 
 def _exact_keys(

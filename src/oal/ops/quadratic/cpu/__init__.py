@@ -1,6 +1,7 @@
-"""Fused C++ CPU kernels, compiled on first use: the chunked operator's no-autograd forward (``chunk.cpp``), the
-in-place decode step of a converted layer (``decode.cpp``, used by :mod:`oal.kernels.decode`) and the exact part
-of the sink/window operator over a prompt (``window.cpp``, used by :mod:`oal.ops.sink_window.utils`).
+"""Fused C++ CPU kernels, compiled on first use: the chunked operator's forward and its backward, the reverse
+chunk scan (``chunk.cpp``), the in-place decode step of a converted layer (``decode.cpp``, used by
+:mod:`oal.kernels.decode`) and the exact part of the sink/window operator over a prompt with its backward
+(``window.cpp``, used by :mod:`oal.ops.sink_window.utils`).
 
 The torch-level chunk loop spends about as long around its two state GEMMs as in them (features, query weights,
 within-chunk squares, normalisation, each a separate pass and a Python dispatch), and MKL's sgemm reaches 60–70 %
@@ -9,8 +10,9 @@ of the FMA peak on the AMD CPU we measure on (``benchmarks/cpu_peak.py``, ``docs
 the state and the features generated block by block in cache, not written out. It is built with
 ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed; the build is cached by torch, about a
 minute the first time) and used automatically by :func:`oal.ops.quadratic.chunk.chunk_quadratic_attention` when
-nothing needs autograd, the inputs are CPU fp32 / bf16 / fp16 and a :class:`~oal.ops.quadratic.utils.KernelFactor`
-is given. If a build fails, a warning is logged once and the torch path runs.
+the inputs are CPU fp32 / bf16 / fp16 and a :class:`~oal.ops.quadratic.utils.KernelFactor` is given (with
+gradients also for fp64: the forward then runs on the torch loop, the backward in fp64). If a build fails, a
+warning is logged once and the torch path runs.
 ``OAL_CPU_KERNEL=0`` disables it.
 """
 

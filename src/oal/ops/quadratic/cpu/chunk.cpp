@@ -1,4 +1,5 @@
-// Fused CPU forward of the chunked quadratic-kernel operator (the no-autograd path of ../chunk.py).
+// Fused CPU forward of the chunked quadratic-kernel operator (the no-autograd path of ../chunk.py, and the forward of
+// its _FusedChunk), and below it the backward of that function (chunk_backward, the reverse chunk scan).
 //
 // Same arithmetic as _forward_no_grad with a KernelFactor: per (batch, KV head) and chunk of n tokens
 //   num  = kern @ u  +  φ_q(Q) @ S,   den = kern @ w  +  φ_q(Q) · z      (intra-chunk part + readout, Eq. 6)
@@ -21,6 +22,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -294,6 +296,315 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
   return {o, dens, finals};
 }
 
+
+// ------------------------------------------------------------------------------------------------ backward
+//
+// The reverse chunk scan (the layout fla gives a chunked linear-attention backward), for training. Per (batch, KV
+// head) one forward sweep recomputes the state before every chunk (Dc·(dv+1) numbers per chunk, S_c), then the
+// chunks run backwards carrying dS, the gradient of the state after the chunk (the final state's gradient, or 0):
+//   dnum  = [do / den,  dden − Σ_c do_c o_c / den]      (the last entry 0 where the floor clamps den)
+//   dφq   = dnum S_cᵀ          dφk = U dSᵀ          dU = φk dS + kernᵀ dnum          then dS ← dS + φqᵀ dnum
+//   dkern = (dnum Uᵀ) on j ≤ i,  dz_m = 2 z_m ⊙ dkern through z_m = [W_m ⊙ q_i, c_m] · [k_j, 1] (Eq. 7) to q, k, W, c, c0
+//   and the features' adjoint: φ_f = y_r y_{r+δ} (y the doubled [x, 1]) gives dy_r += dφ_f y_{r+δ}, dy_{r+δ} += dφ_f y_r.
+// Features exist for one chunk at a time (G·n·Dc and n·Dc numbers), never for the sequence, which is what the
+// autograd loop stores; the products go through at::mm, the rest runs in loops over rows.
+
+// features of one doubled row y (2e): out[r·P + δ] = y_r · y_{r+δ} (· w[r·P + δ] when w is given)
+template <typename T>
+inline void row_features(const T* y, const T* w, int64_t e, int64_t P, T* out) {
+  for (int64_t r = 0; r < e; ++r) {
+    const T yr = y[r];
+    const T* ys = y + r;
+    T* o = out + r * P;
+    if (w) {
+      const T* wr = w + r * P;
+      for (int64_t t = 0; t < P; ++t) o[t] = yr * ys[t] * wr[t];
+    } else {
+      for (int64_t t = 0; t < P; ++t) o[t] = yr * ys[t];
+    }
+  }
+}
+
+// adjoint of row_features without weights: dy (2e, zeroed by the caller) += ∂(Σ_f g_f φ_f) / ∂y
+template <typename T>
+inline void row_features_adjoint(const T* __restrict y, const T* __restrict g, int64_t e, int64_t P,
+                                 T* __restrict dy) {
+  for (int64_t r = 0; r < e; ++r) {
+    const T yr = y[r];
+    const T* ys = y + r;
+    const T* gr = g + r * P;
+    T* dys = dy + r;
+    T acc = 2 * gr[0] * yr;  // φ = y_r² at δ = 0
+#pragma omp simd reduction(+ : acc)
+    for (int64_t t = 1; t < P; ++t) {
+      acc += gr[t] * ys[t];
+      dys[t] += gr[t] * yr;
+    }
+    dy[r] += acc;
+  }
+}
+
+// dx (d) += the gradient of the doubled row: coordinates r and r + e are both x_r; d and d + e are the constant 1
+template <typename T>
+inline void fold_doubled(const T* dy, int64_t d, int64_t e, T* dx) {
+  for (int64_t r = 0; r < d; ++r) dx[r] += dy[r] + dy[r + e];
+}
+
+// a contiguous (rows, cols) matrix at the start of a flat buffer
+inline Tensor mat(const Tensor& flat, int64_t rows, int64_t cols) {
+  return flat.narrow(0, 0, rows * cols).view({rows, cols});
+}
+
+template <typename T>
+std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& fw,
+                             const Tensor& fc, const Tensor& c0, const Tensor& state0, const Tensor& key_weight,
+                             double kernel_floor, int64_t chunk, const Tensor& o, const Tensor& dens,
+                             const Tensor& d_o, const Tensor& d_den, const Tensor& d_final, bool want_dstate0,
+                             bool want_dkw) {
+  const int64_t B = q.size(0), Hq = q.size(1), N = q.size(2), d = q.size(3);
+  const int64_t Hkv = k.size(1), dv = v.size(3), G = Hq / Hkv, e = d + 1, e2 = 2 * e, P = e / 2 + 1, Dc = e * P;
+  const int64_t R = fc.size(2), cs = std::min(chunk, N), nch = (N + cs - 1) / cs, dv1 = dv + 1, one_row = d * P;
+  const int64_t threads = at::get_num_threads();
+  const auto opt = q.options();
+
+  Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dvt = at::zeros_like(v);
+  Tensor dw = at::zeros({Hkv, G, Dc}, opt), dfw = at::zeros({Hkv, G, R, d}, opt);
+  Tensor dfc = at::zeros({Hkv, G, R}, opt), dc0 = at::zeros({Hkv, G}, opt);
+  Tensor dstate0 = want_dstate0 ? at::zeros({B, Hkv, Dc, dv1}, opt) : at::empty({0}, opt);
+  Tensor dkw = want_dkw ? at::zeros({B, Hkv, N}, opt) : at::empty({0}, opt);
+
+  Tensor states = at::empty({nch, Dc, dv1}, opt), dS = at::empty({Dc, dv1}, opt);
+  Tensor yq_f = at::empty({G * cs * e2}, opt), yk_f = at::empty({cs * e2}, opt);
+  Tensor kb_f = at::empty({cs * e}, opt), u_f = at::empty({cs * dv1}, opt);
+  Tensor pq_f = at::empty({G * cs * Dc}, opt), pk_f = at::empty({cs * Dc}, opt);
+  Tensor dpq_f = at::empty({G * cs * Dc}, opt), dpk_f = at::empty({cs * Dc}, opt);
+  Tensor dn_f = at::empty({G * cs * dv1}, opt), du_f = at::empty({cs * dv1}, opt);
+  Tensor qw_f = at::empty({G * R * cs * e}, opt), z_f = at::empty({G * R * cs * cs}, opt);
+  Tensor kern_f = at::empty({G * cs * cs}, opt), dkern_f = at::empty({G * cs * cs}, opt);
+  Tensor dqw_f = at::empty({G * R * cs * e}, opt), dkb_f = at::empty({cs * e}, opt);
+  Tensor dw_part = at::empty({threads, G, Dc}, opt), dy_t = at::empty({threads, e2}, opt);
+  T *yq = yq_f.data_ptr<T>(), *yk = yk_f.data_ptr<T>(), *kb = kb_f.data_ptr<T>(), *u = u_f.data_ptr<T>();
+  T *pq = pq_f.data_ptr<T>(), *pk = pk_f.data_ptr<T>(), *dpq = dpq_f.data_ptr<T>(), *dpk = dpk_f.data_ptr<T>();
+  T *dn = dn_f.data_ptr<T>(), *du = du_f.data_ptr<T>(), *qw = qw_f.data_ptr<T>(), *z = z_f.data_ptr<T>();
+  T *kern = kern_f.data_ptr<T>(), *dkern = dkern_f.data_ptr<T>(), *dqw = dqw_f.data_ptr<T>();
+  T *dkb = dkb_f.data_ptr<T>(), *dwp = dw_part.data_ptr<T>(), *dyb = dy_t.data_ptr<T>();
+  const T *Q = q.data_ptr<T>(), *K = k.data_ptr<T>(), *V = v.data_ptr<T>(), *W = w.data_ptr<T>();
+  const T *FW = fw.data_ptr<T>(), *FC = fc.data_ptr<T>(), *C0 = c0.data_ptr<T>(), *O = o.data_ptr<T>();
+  const T *DENS = dens.data_ptr<T>(), *DO = d_o.data_ptr<T>();
+  const T* DDEN = d_den.numel() ? d_den.data_ptr<T>() : nullptr;
+  T *DQ = dq.data_ptr<T>(), *DK = dk.data_ptr<T>(), *DV = dvt.data_ptr<T>(), *DFW = dfw.data_ptr<T>();
+  T *DFC = dfc.data_ptr<T>(), *DC0 = dc0.data_ptr<T>(), *DW = dw.data_ptr<T>();
+  T* DKW = want_dkw ? dkw.data_ptr<T>() : nullptr;
+  const bool floored = kernel_floor >= 0, weighted = key_weight.numel() > 0;
+  const T* KW = weighted ? key_weight.data_ptr<T>() : nullptr;
+  // a denominator at the floor was clamped there (forward: den = max(num, floor · count)); the margin absorbs
+  // the forward's rounding of floor · count, far below any real gap between a kernel sum and the floor
+  const T clamp_margin = 1 + 16 * std::numeric_limits<T>::epsilon();
+  std::vector<double> counts(N);
+  std::vector<T> row_dc0(G * cs);
+
+  for (int64_t bh = 0; bh < B * Hkv; ++bh) {
+    const int64_t bi = bh / Hkv, h = bh % Hkv;
+    const T* qh = Q + (bi * Hq + h * G) * N * d;
+    const T* kh = K + bh * N * d;
+    const T* vh = V + bh * N * dv;
+    const T* wk = weighted ? KW + bh * N : nullptr;
+    const T* wh = W + h * G * Dc;
+    const T* fwh = FW + h * G * R * d;
+    const T* fch = FC + h * G * R;
+    if (state0.numel()) {
+      states[0].copy_(state0[bi][h]);
+    } else {
+      states[0].zero_();
+    }
+    double seen = states[0][one_row][dv].item<double>();
+    for (int64_t pos = 0; pos < N; ++pos) counts[pos] = seen += weighted ? static_cast<double>(wk[pos]) : 1.0;
+
+    // keys of the chunk at `start`: doubled [k, 1] rows, [k, 1], U = [ω v, ω] and the key features
+    auto load_keys = [&](int64_t start, int64_t n) {
+      at::parallel_for(0, n, 8, [&](int64_t lo, int64_t hi) {
+        for (int64_t j = lo; j < hi; ++j) {
+          const T* x = kh + (start + j) * d;
+          T* y = yk + j * e2;
+          for (int64_t r = 0; r < d; ++r) y[r] = y[r + e] = kb[j * e + r] = x[r];
+          y[d] = y[d + e] = kb[j * e + d] = 1;
+          const T om = weighted ? wk[start + j] : T(1);
+          const T* vx = vh + (start + j) * dv;
+          for (int64_t c = 0; c < dv; ++c) u[j * dv1 + c] = om * vx[c];
+          u[j * dv1 + dv] = om;
+          row_features<T>(y, nullptr, e, P, pk + j * Dc);
+        }
+      });
+    };
+    for (int64_t c = 0; c + 1 < nch; ++c) {
+      const int64_t start = c * cs, n = std::min(cs, N - start);
+      load_keys(start, n);
+      Tensor next = states[c + 1];
+      at::addmm_out(next, states[c], mat(pk_f, n, Dc).t(), mat(u_f, n, dv1));
+    }
+    if (d_final.numel()) {
+      dS.copy_(d_final[bi][h]);
+    } else {
+      dS.zero_();
+    }
+    dw_part.zero_();
+
+    for (int64_t c = nch - 1; c >= 0; --c) {
+      const int64_t start = c * cs, n = std::min(cs, N - start), rows = G * n;
+      load_keys(start, n);
+      // query rows: doubled [q, 1], weighted features, and the gradient of the unnormalised numerator
+      at::parallel_for(0, rows, 8, [&](int64_t lo, int64_t hi) {
+        for (int64_t row = lo; row < hi; ++row) {
+          const int64_t g = row / n, pos = start + row % n;
+          const T* x = qh + (g * N + pos) * d;
+          T* y = yq + row * e2;
+          for (int64_t r = 0; r < d; ++r) y[r] = y[r + e] = x[r];
+          y[d] = y[d + e] = 1;
+          row_features<T>(y, wh + g * Dc, e, P, pq + row * Dc);
+          const int64_t at_ = (bh * G + g) * N + pos;  // dens (B, Hkv, G, N)
+          const T den = DENS[at_], cnt = static_cast<T>(counts[pos]);
+          const bool empty = weighted && cnt <= 0;  // no key yet: the forward divided by 1
+          const bool clamped = floored && den <= cnt * static_cast<T>(kernel_floor) * clamp_margin;
+          const T denp = empty ? T(1) : den;
+          const T* dor = DO + ((bi * Hq + h * G + g) * N + pos) * dv;
+          const T* orow = O + ((bi * Hq + h * G + g) * N + pos) * dv;
+          T* dr = dn + row * dv1;
+          T acc = 0;
+          for (int64_t cc = 0; cc < dv; ++cc) {
+            dr[cc] = dor[cc] / denp;
+            acc += dor[cc] * orow[cc];
+          }
+          const T dden = DDEN ? DDEN[at_] : T(0);
+          // an empty query's denominator is max(0, 0) under a floor: a tie, split in halves like torch.maximum
+          dr[dv] = empty ? (floored ? dden / 2 : dden) : clamped ? T(0) : dden - acc / denp;
+        }
+      });
+      const Tensor DN = mat(dn_f, rows, dv1), U = mat(u_f, n, dv1), KB = mat(kb_f, n, e);
+
+      // intra-chunk part (Eq. 7): z_m = [W_m ⊙ q_i, c_m] · [k_j, 1], kern = c0 + Σ_m z_m² on j ≤ i
+      at::parallel_for(0, G * R * n, 16, [&](int64_t lo, int64_t hi) {
+        for (int64_t t = lo; t < hi; ++t) {
+          const int64_t g = t / (R * n), m = t / n % R, i = t % n;
+          const T* y = yq + (g * n + i) * e2;
+          const T* f = fwh + (g * R + m) * d;
+          T* out = qw + t * e;
+          for (int64_t r = 0; r < d; ++r) out[r] = y[r] * f[r];
+          out[d] = fch[g * R + m];
+        }
+      });
+      Tensor QW = mat(qw_f, G * R * n, e), Z = mat(z_f, G * R * n, n);
+      Tensor KERN = mat(kern_f, rows, n), DKERN = mat(dkern_f, rows, n);
+      at::mm_out(Z, QW, KB.t());
+      at::mm_out(DKERN, DN, U.t());
+      at::parallel_for(0, rows, 8, [&](int64_t lo, int64_t hi) {
+        for (int64_t row = lo; row < hi; ++row) {
+          const int64_t g = row / n, i = row % n;
+          T* kr = kern + row * n;
+          T* dkr = dkern + row * n;
+          const T base = C0[h * G + g];
+          for (int64_t j = 0; j < n; ++j) kr[j] = j <= i ? base : T(0);
+          T s = 0;
+          for (int64_t j = i + 1; j < n; ++j) dkr[j] = 0;
+          for (int64_t j = 0; j <= i; ++j) s += dkr[j];
+          row_dc0[row] = s;
+          for (int64_t m = 0; m < R; ++m) {
+            T* zr = z + ((g * R + m) * n + i) * n;
+            for (int64_t j = 0; j <= i; ++j) {
+              kr[j] += zr[j] * zr[j];
+              zr[j] *= 2 * dkr[j];  // z becomes dz
+            }
+            for (int64_t j = i + 1; j < n; ++j) zr[j] = 0;
+          }
+        }
+      });
+      for (int64_t row = 0; row < rows; ++row) DC0[h * G + row / n] += row_dc0[row];
+      Tensor DU = mat(du_f, n, dv1), DQW = mat(dqw_f, G * R * n, e), DKB = mat(dkb_f, n, e);
+      at::mm_out(DU, KERN.t(), DN);
+      at::mm_out(DQW, Z, KB);
+      at::mm_out(DKB, Z.t(), QW);
+      // W, c of each (query head, square) summed over the chunk's queries
+      at::parallel_for(0, G * R, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t gm = lo; gm < hi; ++gm) {
+          const int64_t g = gm / R;
+          T* dfr = DFW + (h * G * R + gm) * d;
+          T sc = 0;
+          for (int64_t i = 0; i < n; ++i) {
+            const T* y = yq + (g * n + i) * e2;
+            const T* dr = dqw + (gm * n + i) * e;
+            for (int64_t r = 0; r < d; ++r) dfr[r] += y[r] * dr[r];
+            sc += dr[d];
+          }
+          DFC[h * G * R + gm] += sc;
+        }
+      });
+
+      // state readout and update (Eq. 5–6): the gradients of the features and of U, then dS for the chunk before
+      const Tensor Sc = states[c];
+      const Tensor PQ = mat(pq_f, rows, Dc), PK = mat(pk_f, n, Dc);
+      Tensor DPQ = mat(dpq_f, rows, Dc), DPK = mat(dpk_f, n, Dc);
+      at::mm_out(DPQ, DN, Sc.t());
+      at::mm_out(DPK, U, dS.t());
+      DU.addmm_(PK, dS);
+      dS.addmm_(PQ.t(), DN);
+
+      // features' adjoint, row by row; query rows also take their intra-chunk part and give the query weights'
+      at::parallel_for(0, rows + n, 4, [&](int64_t lo, int64_t hi) {
+        const int64_t th = at::get_thread_num();
+        T* dy = dyb + th * e2;
+        for (int64_t row = lo; row < hi; ++row) {
+          std::fill(dy, dy + e2, T(0));
+          if (row < rows) {
+            const int64_t g = row / n, i = row % n;
+            const T* y = yq + row * e2;
+            const T* wr = wh + g * Dc;
+            T* gr = dpq + row * Dc;
+            T* dwr = dwp + (th * G + g) * Dc;
+            for (int64_t r = 0; r < e; ++r) {
+              const T yr = y[r];
+              const T* ys = y + r;
+              T* grr = gr + r * P;
+              T* dwrr = dwr + r * P;
+              const T* wrr = wr + r * P;
+              for (int64_t t = 0; t < P; ++t) {
+                dwrr[t] += grr[t] * yr * ys[t];
+                grr[t] *= wrr[t];
+              }
+            }
+            row_features_adjoint<T>(y, gr, e, P, dy);
+            T* dx = DQ + ((bi * Hq + h * G + g) * N + start + i) * d;
+            fold_doubled<T>(dy, d, e, dx);
+            for (int64_t m = 0; m < R; ++m) {
+              const T* f = fwh + (g * R + m) * d;
+              const T* dr = dqw + ((g * R + m) * n + i) * e;
+              for (int64_t r = 0; r < d; ++r) dx[r] += f[r] * dr[r];
+            }
+          } else {
+            const int64_t j = row - rows, pos = start + j;
+            row_features_adjoint<T>(yk + j * e2, dpk + j * Dc, e, P, dy);
+            T* dx = DK + (bh * N + pos) * d;
+            fold_doubled<T>(dy, d, e, dx);
+            for (int64_t r = 0; r < d; ++r) dx[r] += dkb[j * e + r];
+            const T om = weighted ? wk[pos] : T(1);
+            const T* dur = du + j * dv1;
+            const T* vx = vh + pos * dv;
+            T* dvx = DV + (bh * N + pos) * dv;
+            T dom = dur[dv];
+            for (int64_t cc = 0; cc < dv; ++cc) {
+              dvx[cc] += om * dur[cc];
+              dom += dur[cc] * vx[cc];
+            }
+            if (DKW) DKW[bh * N + pos] += dom;
+          }
+        }
+      });
+    }
+    if (want_dstate0) dstate0[bi][h].copy_(dS);
+    for (int64_t th = 0; th < threads; ++th)
+      for (int64_t f = 0; f < G * Dc; ++f) DW[h * G * Dc + f] += dwp[th * G * Dc + f];
+  }
+  return {dq, dk, dvt, dw, dfw, dfc, dc0, dstate0, dkw};
+}
+
 }  // namespace
 
 // q (B, Hq, N, d), k (B, Hkv, N, d), v (B, Hkv, N, dv): contiguous, one dtype among fp32 / bf16 / fp16.
@@ -317,6 +628,27 @@ std::vector<Tensor> chunk_forward(const Tensor& q, const Tensor& k, const Tensor
   return out;
 }
 
+// The gradients of chunk_forward's outputs (o, dens, final state) with respect to its inputs, in T = fp32 or fp64:
+// every tensor argument contiguous in T (the Python side casts), o and dens those the forward returned (dens
+// always, after the floor), d_den and d_final empty when their outputs got no gradient, d_o zeros if o got none.
+// Returns [dq, dk, dv, dw (Hkv, G, e·P), dfw, dfc, dc0, dstate0 (cyclic layout) or empty, dkey_weight or empty].
+std::vector<Tensor> chunk_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w,
+                                   const Tensor& fw, const Tensor& fc, const Tensor& c0, const Tensor& state0,
+                                   const Tensor& key_weight, double kernel_floor, int64_t chunk, const Tensor& o,
+                                   const Tensor& dens, const Tensor& d_o, const Tensor& d_den,
+                                   const Tensor& d_final, bool want_dstate0, bool want_dkw) {
+  for (const Tensor* t : {&k, &v, &w, &fw, &fc, &c0, &o, &dens, &d_o})
+    TORCH_CHECK(t->scalar_type() == q.scalar_type() && t->is_contiguous() && t->device().is_cpu(),
+                "chunk_backward: expected contiguous CPU tensors of one dtype");
+  std::vector<Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "oal_chunk_backward", [&] {
+    out = backward<scalar_t>(q, k, v, w, fw, fc, c0, state0, key_weight, kernel_floor, chunk, o, dens, d_o, d_den,
+                             d_final, want_dstate0, want_dkw);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_forward", &chunk_forward, "Fused CPU forward of the chunked quadratic-kernel operator");
+  m.def("chunk_backward", &chunk_backward, "Reverse chunk scan: gradients of chunk_forward's outputs");
 }

@@ -1,4 +1,4 @@
-// Fused CPU exact part of the sink/window operator for a segment of queries (the no-autograd path of
+// Fused CPU exact part of the sink/window operator for a segment of queries and its backward (_FusedWindow in
 // ../../sink_window/utils.py, evaluate; the torch reference is its block loop: _exact_keys + combine).
 //
 // For query i of the segment (position t0 + i) and query head g of KV head h, the exact set E_i is the sinks
@@ -122,8 +122,139 @@ void window_combine(const Tensor& q, const Tensor& ext_k, const Tensor& ext_v, c
   });
 }
 
+
+// The gradients of window_combine: with the normalised weights P_ij = e^{s_ij - M} / Z of the exact keys and
+// π_i = e^{λ_i - M} / Z of the kernel part (out = Σ P v + π o_kern, a softmax over E_i and one more "key"),
+// D_i = dout_i · out_i and dP_ij = dout_i · v_j,
+//   ds_ij = P_ij (dP_ij - D_i),   dλ_i = π_i (dout_i · o_kern_i - D_i),   do_kern_i = π_i dout_i,
+//   dq_i = scale Σ_j ds_ij k_j,   dk_j = scale Σ_i ds_ij q_i,   dv_j = Σ_i P_ij dout_i.
+// Each task (KV head, block of queries) recomputes its P in cache and runs four GEMMs; the key gradients of the
+// blocks overlap (windows do), so each task writes its own and one pass per KV head adds them up.
+// Returns [dq (like q), d_ext_k, d_ext_v, d_sink_k, d_sink_v, d_log_mass, d_o_kern].
+std::vector<Tensor> window_backward(const Tensor& q, const Tensor& ext_k, const Tensor& ext_v, const Tensor& sink_k,
+                                    const Tensor& sink_v, const Tensor& log_mass, const Tensor& o_kern,
+                                    const Tensor& out, const Tensor& d_out, int64_t t0, int64_t n_sink, int64_t w,
+                                    double scale) {
+  check_f32(q, "q", 5);
+  check_f32(ext_k, "ext_k", 4);
+  check_f32(ext_v, "ext_v", 4);
+  check_f32(sink_k, "sink_k", 4);
+  check_f32(sink_v, "sink_v", 4);
+  check_f32(log_mass, "log_mass", 4);
+  check_f32(o_kern, "o_kern", 5);
+  check_f32(out, "out", 5);
+  check_f32(d_out, "d_out", 5);
+  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), N = q.size(3), d = q.size(4), dv = ext_v.size(3);
+  TORCH_CHECK(ext_k.size(2) == w + N && ext_v.size(2) == w + N, "ext_k, ext_v: expected w + N = ", w + N, " keys");
+  TORCH_CHECK(n_sink + w > 0, "n_sink, w: expected an exact part (n_sink + w > 0)");
+  const float sc = float(scale);
+  const float *qp = q.data_ptr<float>(), *ekp = ext_k.data_ptr<float>(), *evp = ext_v.data_ptr<float>();
+  const float *skp = sink_k.data_ptr<float>(), *svp = sink_v.data_ptr<float>(), *lmp = log_mass.data_ptr<float>();
+  const float *okp = o_kern.data_ptr<float>(), *outp = out.data_ptr<float>(), *dop = d_out.data_ptr<float>();
+  Tensor dq = at::empty_like(q), d_ext_k = at::zeros_like(ext_k), d_ext_v = at::zeros_like(ext_v);
+  Tensor d_sink_k = at::zeros_like(sink_k), d_sink_v = at::zeros_like(sink_v);
+  Tensor d_lm = at::empty_like(log_mass), d_ok = at::empty_like(o_kern);
+  float *dqp = dq.data_ptr<float>(), *dlmp = d_lm.data_ptr<float>(), *dokp = d_ok.data_ptr<float>();
+  constexpr int64_t BLOCK = 64;
+  const int64_t nblk = (N + BLOCK - 1) / BLOCK;
+  std::vector<Tensor> dK(B * Hkv * nblk), dV(B * Hkv * nblk);
+  std::vector<int64_t> lo_of(B * Hkv * nblk), ns_of(B * Hkv * nblk);
+  at::parallel_for(0, B * Hkv * nblk, 1, [&](int64_t begin, int64_t end) {
+    const auto opts = at::TensorOptions().dtype(at::kFloat);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / nblk, i_lo = (task % nblk) * BLOCK, i_hi = std::min(N, i_lo + BLOCK);
+      const int64_t nq = i_hi - i_lo, rows = G * nq;
+      const int64_t ns = std::min(n_sink, t0 + i_hi);
+      const int64_t lo = std::max(i_lo + 1, n_sink + w - t0), hi = i_hi + w;
+      const int64_t nw = std::max<int64_t>(0, hi - lo), L = ns + nw;
+      lo_of[task] = lo;
+      ns_of[task] = ns;
+      Tensor Q = at::empty({rows, d}, opts), K = at::empty({L, d}, opts), V = at::empty({L, dv}, opts);
+      Tensor dO = at::empty({rows, dv}, opts);
+      for (int64_t g = 0; g < G; ++g) {
+        std::memcpy(Q.data_ptr<float>() + g * nq * d, qp + ((bh * G + g) * N + i_lo) * d, sizeof(float) * nq * d);
+        std::memcpy(dO.data_ptr<float>() + g * nq * dv, dop + ((bh * G + g) * N + i_lo) * dv,
+                    sizeof(float) * nq * dv);
+      }
+      std::memcpy(K.data_ptr<float>(), skp + bh * n_sink * d, sizeof(float) * ns * d);
+      std::memcpy(V.data_ptr<float>(), svp + bh * n_sink * dv, sizeof(float) * ns * dv);
+      if (nw) {
+        std::memcpy(K.data_ptr<float>() + ns * d, ekp + (bh * (w + N) + lo) * d, sizeof(float) * nw * d);
+        std::memcpy(V.data_ptr<float>() + ns * dv, evp + (bh * (w + N) + lo) * dv, sizeof(float) * nw * dv);
+      }
+      Tensor P = at::mm(Q, K.t()), dP = at::mm(dO, V.t());  // (rows, L)
+      float *pp = P.data_ptr<float>(), *dpp = dP.data_ptr<float>();
+      const float* dob = dO.data_ptr<float>();
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t x = 0; x < nq; ++x) {
+          const int64_t i = i_lo + x, r = g * nq + x, row = (bh * G + g) * N + i;
+          float* pr = pp + r * L;
+          float* dpr = dpp + r * L;
+          const int64_t sj = std::min(n_sink, t0 + i + 1), w0 = ns + std::max<int64_t>(0, i + 1 - lo),
+                        w1 = ns + (i + w - lo + 1);
+          const float lam = lmp[row];
+          float M = lam;
+          for (int64_t j = 0; j < L; ++j) {
+            const bool in = j < sj || (j >= w0 && j < w1);
+            pr[j] = in ? pr[j] * sc : -std::numeric_limits<float>::infinity();
+            M = std::max(M, pr[j]);
+          }
+          float total = 0.f;
+#pragma omp simd reduction(+ : total)
+          for (int64_t j = 0; j < L; ++j) {
+            pr[j] = exp_nonpos(pr[j] - M);
+            total += pr[j];
+          }
+          float ks = std::isinf(lam) ? 0.f : std::exp(lam - M);
+          const float inv = 1.f / (total + ks);
+          ks *= inv;
+          const float* dor = dob + r * dv;
+          const float Di = dot(dor, outp + row * dv, dv);
+          const float* ok = okp + row * dv;
+          dlmp[row] = ks == 0.f ? 0.f : ks * (dot(dor, ok, dv) - Di);
+          float* dok = dokp + row * dv;
+          for (int64_t c = 0; c < dv; ++c) dok[c] = ks * dor[c];
+#pragma omp simd
+          for (int64_t j = 0; j < L; ++j) {
+            pr[j] *= inv;
+            dpr[j] = pr[j] * (dpr[j] - Di) * sc;  // dP becomes scale · ds
+          }
+        }
+      }
+      Tensor dQ = at::mm(dP, K);  // (rows, d)
+      const float* dqb = dQ.data_ptr<float>();
+      for (int64_t g = 0; g < G; ++g)
+        std::memcpy(dqp + ((bh * G + g) * N + i_lo) * d, dqb + g * nq * d, sizeof(float) * nq * d);
+      dK[task] = at::mm(dP.t(), Q);  // (L, d)
+      dV[task] = at::mm(P.t(), dO);  // (L, dv)
+    }
+  });
+  // add each block's key gradients: per KV head, its blocks in order (they overlap in the window keys)
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      float* dsk = d_sink_k.data_ptr<float>() + bh * n_sink * d;
+      float* dsv = d_sink_v.data_ptr<float>() + bh * n_sink * dv;
+      float* dek = d_ext_k.data_ptr<float>() + bh * (w + N) * d;
+      float* dev = d_ext_v.data_ptr<float>() + bh * (w + N) * dv;
+      for (int64_t blk = 0; blk < nblk; ++blk) {
+        const int64_t task = bh * nblk + blk, ns = ns_of[task], lo = lo_of[task];
+        const int64_t L = dK[task].size(0);
+        const float *gk = dK[task].data_ptr<float>(), *gv = dV[task].data_ptr<float>();
+        for (int64_t j = 0; j < L; ++j) {
+          float* tk = j < ns ? dsk + j * d : dek + (lo + j - ns) * d;
+          float* tv = j < ns ? dsv + j * dv : dev + (lo + j - ns) * dv;
+          for (int64_t c = 0; c < d; ++c) tk[c] += gk[j * d + c];
+          for (int64_t c = 0; c < dv; ++c) tv[c] += gv[j * dv + c];
+        }
+      }
+    }
+  });
+  return {dq, d_ext_k, d_ext_v, d_sink_k, d_sink_v, d_lm, d_ok};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("window_combine", &window_combine, "Fused CPU exact part of the sink/window operator (one segment)");
+  m.def("window_backward", &window_backward, "Gradients of window_combine");
 }
