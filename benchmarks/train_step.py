@@ -1,7 +1,10 @@
-"""One training step (forward + backward of the LM loss, gradients for every q_proj weight as a stand-in for LoRA's)
-of the original and the committed converted SmolLM2 at N tokens; min of 2 timed steps after one warm-up.
+"""One LoRA update (forward + backward of the LM loss + AdamW step) of the original and of the committed converted
+SmolLM2 at N tokens, as ``oal finetune`` runs it: the cpu preset's LoRA (rank 8 on q/k/v/o of every layer) and, for
+the converted model, its kernel parameters (L, β) trained too. The two models alternate within one process (the
+machine's speed drifts between minutes), each timed ``--repeats`` times after one warm-up update; the minimum
+counts. Prints one JSON line per (model, N) and the ratio per N; ``--out`` also appends them to a JSONL file.
 
-    OAL_DATA_DIR=../shared/data python benchmarks/train_step.py --sizes 512,2048 --threads 2
+    OAL_DATA_DIR=../shared/data python benchmarks/train_step.py --sizes 512,2048 --threads 2 --out train_step.jsonl
 """
 
 from __future__ import annotations
@@ -9,10 +12,30 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
 from oal.models import load_model
+from oal.training.config import preset
+from oal.training.lora import apply_lora, trainable_parameters
+from oal.training.schedule import build_optimizer
+
+
+def lora_model(name: str):
+    torch.manual_seed(0)  # the adapters' initialisation
+    config = preset("cpu")
+    model = apply_lora(load_model(name), config).train()
+    optimizer = build_optimizer(trainable_parameters(model).values(), config)
+    return model, optimizer
+
+
+def update(model, optimizer, ids: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -20,28 +43,32 @@ def main() -> None:
     ap.add_argument("--converted", default="docs/results/conversion/model")
     ap.add_argument("--sizes", default="512,2048")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    for name in ("smollm2-135m", args.converted):
-        model = load_model(name).train()
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for module in model.modules():
-            if hasattr(module, "q_proj"):
-                module.q_proj.weight.requires_grad_(True)
-        for n in (int(x) for x in args.sizes.split(",")):
-            ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
-
-            def step(ids=ids, model=model):
-                model(ids, labels=ids, use_cache=False).loss.backward()
-
-            step()
-            times = []
-            for _ in range(2):
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
-            print(json.dumps({"model": name, "n": n, "s_per_step": min(times)}), flush=True)
+    models = {name: lora_model(name) for name in ("smollm2-135m", args.converted)}
+    vocab = next(iter(models.values()))[0].config.vocab_size
+    rows = []
+    for n in (int(x) for x in args.sizes.split(",")):
+        ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
+        times = {name: [] for name in models}
+        for model, optimizer in models.values():
+            update(model, optimizer, ids)  # warm-up: allocator, extension builds, optimizer state
+        for _ in range(args.repeats):
+            for name, (model, optimizer) in models.items():
+                times[name].append(update(model, optimizer, ids))
+        best = {name: min(t) for name, t in times.items()}
+        for name, t in times.items():
+            rows.append({"model": name, "n": n, "s_per_update": best[name], "all_s": t, "threads": args.threads})
+            print(json.dumps(rows[-1]), flush=True)
+        original, converted = best["smollm2-135m"], best[args.converted]
+        rows.append({"n": n, "converted_over_original": converted / original})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.out is not None:
+        with args.out.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
