@@ -3,14 +3,18 @@ SmolLM2 at N tokens, as ``oal finetune`` runs it: the cpu preset's LoRA (rank 8 
 the converted model, its kernel parameters (L, β) trained too. The two models alternate within one process (the
 machine's speed drifts between minutes), each timed ``--repeats`` times after one warm-up update; the minimum
 counts. Prints one JSON line per (model, N) and the ratio per N; ``--out`` also appends them to a JSONL file.
+``--peak-rss original|converted`` instead loads that model alone and reports the process's peak RSS after one
+update at the one size given (one process per size: an earlier, smaller update leaves the allocator's pools larger).
 
     OAL_DATA_DIR=../shared/data python benchmarks/train_step.py --sizes 512,2048 --threads 2 --out train_step.jsonl
+    OAL_DATA_DIR=../shared/data python benchmarks/train_step.py --sizes 2048 --peak-rss converted
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -45,12 +49,24 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--peak-rss", choices=("original", "converted"), default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    sizes = [int(x) for x in args.sizes.split(",")]
+    if args.peak_rss is not None:
+        if len(sizes) != 1:
+            ap.error(f"--peak-rss: expected one size in --sizes, got {args.sizes!r}")
+        name = "smollm2-135m" if args.peak_rss == "original" else args.converted
+        model, optimizer = lora_model(name)
+        ids = torch.randint(0, model.config.vocab_size, (1, sizes[0]), generator=torch.Generator().manual_seed(0))
+        update(model, optimizer, ids)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        print(json.dumps({"model": name, "n": sizes[0], "peak_rss_mb": round(peak)}), flush=True)
+        return
     models = {name: lora_model(name) for name in ("smollm2-135m", args.converted)}
     vocab = next(iter(models.values()))[0].config.vocab_size
     rows = []
-    for n in (int(x) for x in args.sizes.split(",")):
+    for n in sizes:
         ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
         times = {name: [] for name in models}
         for model, optimizer in models.values():
