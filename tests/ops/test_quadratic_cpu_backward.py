@@ -32,9 +32,10 @@ def problem(B, Hq, Hkv, N, d, dv, seed=0, zero_prefix=5):
     return q, k, v, groups, L, w, state
 
 
-def grads(inputs, dtype, *, fused, cs=16, weights=False, floor=None, init=False, final=False):
+def grads(inputs, dtype, *, fused, cs=16, weights=False, floor=None, init=False, final=False, mode="chunk"):
     """Gradients of a loss over o, the denominator and (optionally) the final state with respect to q, k, v, L,
-    the key weights and the initial state; ``fused`` selects the fused backward or autograd on the torch loop."""
+    the key weights and the initial state; ``fused`` selects the fused backward or autograd on the torch loop
+    (``mode="naive"``: autograd on the explicit N×N reference)."""
     q, k, v, groups, L, w, state = inputs
     xs = [x.clone().to(dtype).requires_grad_() for x in (q, k, v, L, w, state)]
     calls = []
@@ -50,7 +51,7 @@ def grads(inputs, dtype, *, fused, cs=16, weights=False, floor=None, init=False,
         with ctx:
             a, b, C = oal_coefficients(groups, xs[3], 0.01)
             out = quadratic_attention(
-                *xs[:3], a, b, C, chunk_size=cs, factor=oal_factor(groups, xs[3], 0.01),
+                *xs[:3], a, b, C, mode=mode, chunk_size=cs, factor=oal_factor(groups, xs[3], 0.01) if mode == "chunk" else None,
                 key_weight=xs[4] if weights else None, kernel_floor=floor, initial_state=xs[5] if init else None,
                 output_final_state=final, return_denominator=True,
             )  # fmt: skip
@@ -88,6 +89,12 @@ def test_fused_backward_matches_autograd(case):
         assert torch.isfinite(g32).all()
         assert rel_rms(g64, r) < 1e-10
         assert rel_rms(g32, r) < 2e-5
+    # the naive reference takes no state and has no floor (κ ≥ ε never meets it, except at a query that has seen no
+    # key, where the floor's max(0, 0) splits the denominator's gradient)
+    if not init and not final and not (weights and floor is not None):
+        naive = grads(inputs, torch.float64, fused=False, mode="naive", **kw)
+        for g64, r in zip(fused64, naive, strict=True):
+            assert rel_rms(g64, r) < 1e-9
 
 
 def test_gradcheck_fp64_every_input():
