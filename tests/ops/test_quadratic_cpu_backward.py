@@ -50,8 +50,9 @@ def grads(inputs, dtype, *, fused, cs=16, weights=False, floor=None, init=False,
         ctx = cpu_kernel.disabled() if not fused else torch.enable_grad()
         with ctx:
             a, b, C = oal_coefficients(groups, xs[3], 0.01)
+            factor = oal_factor(groups, xs[3], 0.01) if mode == "chunk" else None
             out = quadratic_attention(
-                *xs[:3], a, b, C, mode=mode, chunk_size=cs, factor=oal_factor(groups, xs[3], 0.01) if mode == "chunk" else None,
+                *xs[:3], a, b, C, mode=mode, chunk_size=cs, factor=factor,
                 key_weight=xs[4] if weights else None, kernel_floor=floor, initial_state=xs[5] if init else None,
                 output_final_state=final, return_denominator=True,
             )  # fmt: skip
