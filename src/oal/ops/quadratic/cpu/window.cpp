@@ -27,206 +27,194 @@ using at::Tensor;
 
 #include "common.h"
 
+// Per task: one KV head and a block of BLOCK queries. Its G·BLOCK query rows meet the sinks and the window keys
+// that cover the block (ext positions lo … hi-1) in GEMMs, with the mask, the maxima and the exponentials applied
+// in between on the block, in cache.
+constexpr int64_t BLOCK = 64;
+
+struct Segment {
+  const float *q, *ext_k, *ext_v, *sink_k, *sink_v, *log_mass;
+  int64_t G, N, d, dv, t0, n_sink, w;
+  float scale;
+};
+
+// One block's query rows Q (G·nq, d) in (g, i) order, its exact keys K (L, d) and values V (L, dv) (the ns sinks
+// some query of the block reaches, then window positions lo …), the weights P (G·nq, L) of each query's E_i and pi
+// (G·nq) of its kernel part, normalised together.
+struct Block {
+  int64_t i_lo, nq, ns, lo;
+  Tensor Q, K, V, P;
+  std::vector<float> pi;
+};
+
+Block block_weights(const Segment& sg, int64_t bh, int64_t i_lo) {
+  const int64_t G = sg.G, N = sg.N, d = sg.d, dv = sg.dv, n_sink = sg.n_sink, w = sg.w, t0 = sg.t0;
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  Block b;
+  const int64_t i_hi = std::min(N, i_lo + BLOCK), nq = i_hi - i_lo, rows = G * nq;
+  const int64_t ns = std::min(n_sink, t0 + i_hi);                           // sinks some query reaches
+  const int64_t lo = std::max(i_lo + 1, n_sink + w - t0), hi = i_hi + w;  // window keys of the block
+  const int64_t nw = std::max<int64_t>(0, hi - lo), L = ns + nw;
+  b.i_lo = i_lo, b.nq = nq, b.ns = ns, b.lo = lo;
+  b.Q = at::empty({rows, d}, opts), b.K = at::empty({L, d}, opts), b.V = at::empty({L, dv}, opts);
+  for (int64_t g = 0; g < G; ++g)
+    std::memcpy(b.Q.data_ptr<float>() + g * nq * d, sg.q + ((bh * G + g) * N + i_lo) * d, sizeof(float) * nq * d);
+  std::memcpy(b.K.data_ptr<float>(), sg.sink_k + bh * n_sink * d, sizeof(float) * ns * d);
+  std::memcpy(b.V.data_ptr<float>(), sg.sink_v + bh * n_sink * dv, sizeof(float) * ns * dv);
+  if (nw) {
+    std::memcpy(b.K.data_ptr<float>() + ns * d, sg.ext_k + (bh * (w + N) + lo) * d, sizeof(float) * nw * d);
+    std::memcpy(b.V.data_ptr<float>() + ns * dv, sg.ext_v + (bh * (w + N) + lo) * dv, sizeof(float) * nw * dv);
+  }
+  b.P = at::mm(b.Q, b.K.t());  // logits (rows, L), normalised weights below
+  float* pp = b.P.data_ptr<float>();
+  b.pi.resize(rows);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t x = 0; x < nq; ++x) {
+      const int64_t i = i_lo + x, r = g * nq + x, row = (bh * G + g) * N + i;
+      float* pr = pp + r * L;
+      // E_i within the block's keys: sinks j ≤ t0 + i, window positions lo … i + w (from i + 1)
+      const int64_t sj = std::min(n_sink, t0 + i + 1), w0 = ns + std::max<int64_t>(0, i + 1 - lo),
+                    w1 = ns + (i + w - lo + 1);
+      const float lam = sg.log_mass[row];
+      float M = lam;
+      for (int64_t j = 0; j < L; ++j) {
+        const bool in = j < sj || (j >= w0 && j < w1);
+        pr[j] = in ? pr[j] * sg.scale : -std::numeric_limits<float>::infinity();
+        M = std::max(M, pr[j]);
+      }
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t j = 0; j < L; ++j) {
+        pr[j] = exp_nonpos(pr[j] - M);  // -inf (outside E_i) gives 0
+        total += pr[j];
+      }
+      const float kern = std::isinf(lam) ? 0.f : std::exp(lam - M);  // an empty kernel set adds nothing
+      const float inv = 1.f / (total + kern);
+#pragma omp simd
+      for (int64_t j = 0; j < L; ++j) pr[j] *= inv;
+      b.pi[r] = kern * inv;
+    }
+  }
+  return b;
+}
+
+void check_segment(const Tensor& q, const Tensor& ext_k, const Tensor& ext_v, const Tensor& sink_k,
+                   const Tensor& sink_v, const Tensor& log_mass, const Tensor& o_kern, int64_t n_sink, int64_t w) {
+  check_f32(q, "q", 5);
+  check_f32(ext_k, "ext_k", 4);
+  check_f32(ext_v, "ext_v", 4);
+  check_f32(sink_k, "sink_k", 4);
+  check_f32(sink_v, "sink_v", 4);
+  check_f32(log_mass, "log_mass", 4);
+  check_f32(o_kern, "o_kern", 5);
+  const int64_t N = q.size(3), dv = ext_v.size(3);
+  TORCH_CHECK(ext_k.size(2) == w + N && ext_v.size(2) == w + N, "ext_k, ext_v: expected w + N = ", w + N, " keys");
+  TORCH_CHECK(sink_k.size(2) == n_sink && sink_v.size(2) == n_sink, "sink_k, sink_v: expected ", n_sink, " sinks");
+  TORCH_CHECK(o_kern.size(4) == dv && log_mass.size(3) == N, "o_kern, log_mass: shapes");
+  // with a sink or a window every query has an exact key (sink 0, or its own position), so no block is empty
+  TORCH_CHECK(n_sink + w > 0, "n_sink, w: expected an exact part (n_sink + w > 0)");
+}
+
+Segment segment(const Tensor& q, const Tensor& ext_k, const Tensor& ext_v, const Tensor& sink_k,
+                const Tensor& sink_v, const Tensor& log_mass, int64_t t0, int64_t n_sink, int64_t w, double scale) {
+  return {q.data_ptr<float>(), ext_k.data_ptr<float>(), ext_v.data_ptr<float>(), sink_k.data_ptr<float>(),
+          sink_v.data_ptr<float>(), log_mass.data_ptr<float>(), q.size(2), q.size(3), q.size(4), ext_v.size(3),
+          t0, n_sink, w, float(scale)};
+}
+
 // q (B, Hkv, G, N, d); ext_k (B, Hkv, w + N, d), ext_v (…, dv): the window buffer followed by the segment;
 // sink_k (B, Hkv, n_sink, d), sink_v (…, dv); log_mass (B, Hkv, G, N); o_kern (B, Hkv, G, N, dv);
 // out (B, Hkv, G, N, dv) written.
 void window_combine(const Tensor& q, const Tensor& ext_k, const Tensor& ext_v, const Tensor& sink_k,
                     const Tensor& sink_v, const Tensor& log_mass, const Tensor& o_kern, Tensor& out, int64_t t0,
                     int64_t n_sink, int64_t w, double scale) {
-  check_f32(q, "q", 5);
-  check_f32(ext_k, "ext_k", 4);
-  check_f32(ext_v, "ext_v", 4);
-  check_f32(sink_k, "sink_k", 4);
-  check_f32(sink_v, "sink_v", 4);
-  check_f32(log_mass, "log_mass", 4);
-  check_f32(o_kern, "o_kern", 5);
+  check_segment(q, ext_k, ext_v, sink_k, sink_v, log_mass, o_kern, n_sink, w);
   check_f32(out, "out", 5);
-  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), N = q.size(3), d = q.size(4), dv = ext_v.size(3);
-  TORCH_CHECK(ext_k.size(2) == w + N && ext_v.size(2) == w + N, "ext_k, ext_v: expected w + N = ", w + N, " keys");
-  TORCH_CHECK(sink_k.size(2) == n_sink && sink_v.size(2) == n_sink, "sink_k, sink_v: expected ", n_sink, " sinks");
-  TORCH_CHECK(o_kern.size(4) == dv && out.size(4) == dv && log_mass.size(3) == N, "o_kern, out, log_mass: shapes");
-  // with a sink or a window every query has an exact key (sink 0, or its own position), so no block is empty
-  TORCH_CHECK(n_sink + w > 0, "n_sink, w: expected an exact part (n_sink + w > 0)");
-  const float sc = float(scale);
-  const float* qp = q.data_ptr<float>();
-  const float* ekp = ext_k.data_ptr<float>();
-  const float* evp = ext_v.data_ptr<float>();
-  const float* skp = sink_k.data_ptr<float>();
-  const float* svp = sink_v.data_ptr<float>();
-  const float* lmp = log_mass.data_ptr<float>();
+  TORCH_CHECK(out.sizes() == o_kern.sizes(), "out: expected the shape of o_kern");
+  const Segment sg = segment(q, ext_k, ext_v, sink_k, sink_v, log_mass, t0, n_sink, w, scale);
+  const int64_t B = q.size(0), Hkv = q.size(1), G = sg.G, N = sg.N, dv = sg.dv, nblk = (N + BLOCK - 1) / BLOCK;
   const float* okp = o_kern.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // Per task: one KV head and a block of BLOCK queries. Its G·BLOCK query rows meet the sinks and the window
-  // keys that cover the block (ext positions lo … hi-1) in two GEMMs (logits, then weights · values), with the
-  // mask, the maxima, the exponentials and the kernel part applied in between on the block.
-  constexpr int64_t BLOCK = 64;
-  const int64_t nblk = (N + BLOCK - 1) / BLOCK;
   at::parallel_for(0, B * Hkv * nblk, 1, [&](int64_t begin, int64_t end) {
-    const auto opts = at::TensorOptions().dtype(at::kFloat);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / nblk, i_lo = (task % nblk) * BLOCK, i_hi = std::min(N, i_lo + BLOCK);
-      const int64_t nq = i_hi - i_lo, rows = G * nq;
-      const int64_t ns = std::min(n_sink, t0 + i_hi);  // sinks some query of the block reaches
-      const int64_t lo = std::max(i_lo + 1, n_sink + w - t0), hi = i_hi + w;  // window keys of the block
-      const int64_t nw = std::max<int64_t>(0, hi - lo), L = ns + nw;
-      at::Tensor Q = at::empty({rows, d}, opts), K = at::empty({L, d}, opts), V = at::empty({L, dv}, opts);
-      for (int64_t g = 0; g < G; ++g)
-        std::memcpy(Q.data_ptr<float>() + g * nq * d, qp + ((bh * G + g) * N + i_lo) * d, sizeof(float) * nq * d);
-      std::memcpy(K.data_ptr<float>(), skp + bh * n_sink * d, sizeof(float) * ns * d);
-      std::memcpy(V.data_ptr<float>(), svp + bh * n_sink * dv, sizeof(float) * ns * dv);
-      if (nw) {
-        std::memcpy(K.data_ptr<float>() + ns * d, ekp + (bh * (w + N) + lo) * d, sizeof(float) * nw * d);
-        std::memcpy(V.data_ptr<float>() + ns * dv, evp + (bh * (w + N) + lo) * dv, sizeof(float) * nw * dv);
-      }
-      at::Tensor P = at::mm(Q, K.t());  // (rows, L)
-      float* pp = P.data_ptr<float>();
-      std::vector<float> ks(rows);
-      for (int64_t g = 0; g < G; ++g) {
-        for (int64_t x = 0; x < nq; ++x) {
-          const int64_t i = i_lo + x, r = g * nq + x, row = (bh * G + g) * N + i;
-          float* pr = pp + r * L;
-          // E_i within the block's keys: sinks j ≤ t0 + i, window positions lo … i + w (from i + 1)
-          const int64_t sj = std::min(n_sink, t0 + i + 1), w0 = ns + std::max<int64_t>(0, i + 1 - lo),
-                        w1 = ns + (i + w - lo + 1);
-          const float lam = lmp[row];
-          float M = lam;
-          for (int64_t j = 0; j < L; ++j) {
-            const bool in = j < sj || (j >= w0 && j < w1);
-            pr[j] = in ? pr[j] * sc : -std::numeric_limits<float>::infinity();
-            M = std::max(M, pr[j]);
-          }
-          float total = 0.f;
-#pragma omp simd reduction(+ : total)
-          for (int64_t j = 0; j < L; ++j) {
-            pr[j] = exp_nonpos(pr[j] - M);  // -inf (outside E_i) gives 0
-            total += pr[j];
-          }
-          ks[r] = std::isinf(lam) ? 0.f : std::exp(lam - M);  // an empty kernel set adds nothing
-          const float inv = 1.f / (total + ks[r]);
-#pragma omp simd
-          for (int64_t j = 0; j < L; ++j) pr[j] *= inv;
-          ks[r] *= inv;
-        }
-      }
-      at::Tensor O = at::mm(P, V);  // (rows, dv), already normalised
+      const int64_t bh = task / nblk;
+      const Block b = block_weights(sg, bh, (task % nblk) * BLOCK);
+      const Tensor O = at::mm(b.P, b.V);  // (rows, dv), already normalised
       const float* o_blk = O.data_ptr<float>();
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t x = 0; x < nq; ++x) {
-          const int64_t r = g * nq + x, row = (bh * G + g) * N + i_lo + x;
+        for (int64_t x = 0; x < b.nq; ++x) {
+          const int64_t r = g * b.nq + x, row = (bh * G + g) * N + b.i_lo + x;
           float* o = op + row * dv;
           const float* ok = okp + row * dv;
           const float* ob = o_blk + r * dv;
-          for (int64_t c = 0; c < dv; ++c) o[c] = ob[c] + ks[r] * ok[c];
+          for (int64_t c = 0; c < dv; ++c) o[c] = ob[c] + b.pi[r] * ok[c];
         }
     }
   });
 }
 
-
-// The gradients of window_combine: with the normalised weights P_ij = e^{s_ij - M} / Z of the exact keys and
-// π_i = e^{λ_i - M} / Z of the kernel part (out = Σ P v + π o_kern, a softmax over E_i and one more "key"),
-// D_i = dout_i · out_i and dP_ij = dout_i · v_j,
+// The gradients of window_combine: with the normalised weights P_ij of the exact keys and π_i of the kernel part
+// (out = Σ P v + π o_kern, a softmax over E_i and one more "key"), D_i = dout_i · out_i and dP_ij = dout_i · v_j,
 //   ds_ij = P_ij (dP_ij - D_i),   dλ_i = π_i (dout_i · o_kern_i - D_i),   do_kern_i = π_i dout_i,
 //   dq_i = scale Σ_j ds_ij k_j,   dk_j = scale Σ_i ds_ij q_i,   dv_j = Σ_i P_ij dout_i.
-// Each task (KV head, block of queries) recomputes its P in cache and runs four GEMMs; the key gradients of the
-// blocks overlap (windows do), so each task writes its own and one pass per KV head adds them up.
+// Each task recomputes its block's weights and runs four GEMMs more; the key gradients of the blocks overlap
+// (windows do), so each task keeps its own and one pass per KV head adds them up.
 // Returns [dq (like q), d_ext_k, d_ext_v, d_sink_k, d_sink_v, d_log_mass, d_o_kern].
 std::vector<Tensor> window_backward(const Tensor& q, const Tensor& ext_k, const Tensor& ext_v, const Tensor& sink_k,
                                     const Tensor& sink_v, const Tensor& log_mass, const Tensor& o_kern,
                                     const Tensor& out, const Tensor& d_out, int64_t t0, int64_t n_sink, int64_t w,
                                     double scale) {
-  check_f32(q, "q", 5);
-  check_f32(ext_k, "ext_k", 4);
-  check_f32(ext_v, "ext_v", 4);
-  check_f32(sink_k, "sink_k", 4);
-  check_f32(sink_v, "sink_v", 4);
-  check_f32(log_mass, "log_mass", 4);
-  check_f32(o_kern, "o_kern", 5);
+  check_segment(q, ext_k, ext_v, sink_k, sink_v, log_mass, o_kern, n_sink, w);
   check_f32(out, "out", 5);
   check_f32(d_out, "d_out", 5);
-  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), N = q.size(3), d = q.size(4), dv = ext_v.size(3);
-  TORCH_CHECK(ext_k.size(2) == w + N && ext_v.size(2) == w + N, "ext_k, ext_v: expected w + N = ", w + N, " keys");
-  TORCH_CHECK(n_sink + w > 0, "n_sink, w: expected an exact part (n_sink + w > 0)");
-  const float sc = float(scale);
-  const float *qp = q.data_ptr<float>(), *ekp = ext_k.data_ptr<float>(), *evp = ext_v.data_ptr<float>();
-  const float *skp = sink_k.data_ptr<float>(), *svp = sink_v.data_ptr<float>(), *lmp = log_mass.data_ptr<float>();
+  TORCH_CHECK(out.sizes() == o_kern.sizes() && d_out.sizes() == o_kern.sizes(),
+              "out, d_out: expected the shape of o_kern");
+  const Segment sg = segment(q, ext_k, ext_v, sink_k, sink_v, log_mass, t0, n_sink, w, scale);
+  const int64_t B = q.size(0), Hkv = q.size(1), G = sg.G, N = sg.N, d = sg.d, dv = sg.dv;
+  const int64_t nblk = (N + BLOCK - 1) / BLOCK;
   const float *okp = o_kern.data_ptr<float>(), *outp = out.data_ptr<float>(), *dop = d_out.data_ptr<float>();
   Tensor dq = at::empty_like(q), d_ext_k = at::zeros_like(ext_k), d_ext_v = at::zeros_like(ext_v);
   Tensor d_sink_k = at::zeros_like(sink_k), d_sink_v = at::zeros_like(sink_v);
   Tensor d_lm = at::empty_like(log_mass), d_ok = at::empty_like(o_kern);
   float *dqp = dq.data_ptr<float>(), *dlmp = d_lm.data_ptr<float>(), *dokp = d_ok.data_ptr<float>();
-  constexpr int64_t BLOCK = 64;
-  const int64_t nblk = (N + BLOCK - 1) / BLOCK;
   std::vector<Tensor> dK(B * Hkv * nblk), dV(B * Hkv * nblk);
   std::vector<int64_t> lo_of(B * Hkv * nblk), ns_of(B * Hkv * nblk);
   at::parallel_for(0, B * Hkv * nblk, 1, [&](int64_t begin, int64_t end) {
     const auto opts = at::TensorOptions().dtype(at::kFloat);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / nblk, i_lo = (task % nblk) * BLOCK, i_hi = std::min(N, i_lo + BLOCK);
-      const int64_t nq = i_hi - i_lo, rows = G * nq;
-      const int64_t ns = std::min(n_sink, t0 + i_hi);
-      const int64_t lo = std::max(i_lo + 1, n_sink + w - t0), hi = i_hi + w;
-      const int64_t nw = std::max<int64_t>(0, hi - lo), L = ns + nw;
-      lo_of[task] = lo;
-      ns_of[task] = ns;
-      Tensor Q = at::empty({rows, d}, opts), K = at::empty({L, d}, opts), V = at::empty({L, dv}, opts);
-      Tensor dO = at::empty({rows, dv}, opts);
-      for (int64_t g = 0; g < G; ++g) {
-        std::memcpy(Q.data_ptr<float>() + g * nq * d, qp + ((bh * G + g) * N + i_lo) * d, sizeof(float) * nq * d);
-        std::memcpy(dO.data_ptr<float>() + g * nq * dv, dop + ((bh * G + g) * N + i_lo) * dv,
+      const int64_t bh = task / nblk;
+      Block b = block_weights(sg, bh, (task % nblk) * BLOCK);
+      const int64_t nq = b.nq, L = b.K.size(0);
+      lo_of[task] = b.lo;
+      ns_of[task] = b.ns;
+      Tensor dO = at::empty({G * nq, dv}, opts);
+      for (int64_t g = 0; g < G; ++g)
+        std::memcpy(dO.data_ptr<float>() + g * nq * dv, dop + ((bh * G + g) * N + b.i_lo) * dv,
                     sizeof(float) * nq * dv);
-      }
-      std::memcpy(K.data_ptr<float>(), skp + bh * n_sink * d, sizeof(float) * ns * d);
-      std::memcpy(V.data_ptr<float>(), svp + bh * n_sink * dv, sizeof(float) * ns * dv);
-      if (nw) {
-        std::memcpy(K.data_ptr<float>() + ns * d, ekp + (bh * (w + N) + lo) * d, sizeof(float) * nw * d);
-        std::memcpy(V.data_ptr<float>() + ns * dv, evp + (bh * (w + N) + lo) * dv, sizeof(float) * nw * dv);
-      }
-      Tensor P = at::mm(Q, K.t()), dP = at::mm(dO, V.t());  // (rows, L)
-      float *pp = P.data_ptr<float>(), *dpp = dP.data_ptr<float>();
+      Tensor dP = at::mm(dO, b.V.t());  // (rows, L)
+      const float* pp = b.P.data_ptr<float>();
+      float* dpp = dP.data_ptr<float>();
       const float* dob = dO.data_ptr<float>();
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t x = 0; x < nq; ++x) {
-          const int64_t i = i_lo + x, r = g * nq + x, row = (bh * G + g) * N + i;
-          float* pr = pp + r * L;
+          const int64_t r = g * nq + x, row = (bh * G + g) * N + b.i_lo + x;
+          const float* pr = pp + r * L;
           float* dpr = dpp + r * L;
-          const int64_t sj = std::min(n_sink, t0 + i + 1), w0 = ns + std::max<int64_t>(0, i + 1 - lo),
-                        w1 = ns + (i + w - lo + 1);
-          const float lam = lmp[row];
-          float M = lam;
-          for (int64_t j = 0; j < L; ++j) {
-            const bool in = j < sj || (j >= w0 && j < w1);
-            pr[j] = in ? pr[j] * sc : -std::numeric_limits<float>::infinity();
-            M = std::max(M, pr[j]);
-          }
-          float total = 0.f;
-#pragma omp simd reduction(+ : total)
-          for (int64_t j = 0; j < L; ++j) {
-            pr[j] = exp_nonpos(pr[j] - M);
-            total += pr[j];
-          }
-          float ks = std::isinf(lam) ? 0.f : std::exp(lam - M);
-          const float inv = 1.f / (total + ks);
-          ks *= inv;
           const float* dor = dob + r * dv;
-          const float Di = dot(dor, outp + row * dv, dv);
-          const float* ok = okp + row * dv;
-          dlmp[row] = ks == 0.f ? 0.f : ks * (dot(dor, ok, dv) - Di);
+          const float pi = b.pi[r], Di = dot(dor, outp + row * dv, dv);
+          dlmp[row] = pi == 0.f ? 0.f : pi * (dot(dor, okp + row * dv, dv) - Di);
           float* dok = dokp + row * dv;
-          for (int64_t c = 0; c < dv; ++c) dok[c] = ks * dor[c];
+          for (int64_t c = 0; c < dv; ++c) dok[c] = pi * dor[c];
 #pragma omp simd
-          for (int64_t j = 0; j < L; ++j) {
-            pr[j] *= inv;
-            dpr[j] = pr[j] * (dpr[j] - Di) * sc;  // dP becomes scale · ds
-          }
+          for (int64_t j = 0; j < L; ++j) dpr[j] = pr[j] * (dpr[j] - Di) * sg.scale;  // dP becomes scale · ds
         }
       }
-      Tensor dQ = at::mm(dP, K);  // (rows, d)
+      const Tensor dQ = at::mm(dP, b.K);  // (rows, d)
       const float* dqb = dQ.data_ptr<float>();
       for (int64_t g = 0; g < G; ++g)
-        std::memcpy(dqp + ((bh * G + g) * N + i_lo) * d, dqb + g * nq * d, sizeof(float) * nq * d);
-      dK[task] = at::mm(dP.t(), Q);  // (L, d)
-      dV[task] = at::mm(P.t(), dO);  // (L, dv)
+        std::memcpy(dqp + ((bh * G + g) * N + b.i_lo) * d, dqb + g * nq * d, sizeof(float) * nq * d);
+      dK[task] = at::mm(dP.t(), b.Q);  // (L, d)
+      dV[task] = at::mm(b.P.t(), dO);  // (L, dv)
     }
   });
   // add each block's key gradients: per KV head, its blocks in order (they overlap in the window keys)
