@@ -210,3 +210,34 @@ def test_fused_decode_head_dim_64_and_wide_groups(kind, threads, d):
     finally:
         torch.set_num_threads(previous)
     torch.testing.assert_close(got.double(), reference(kernel, q, k, v), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("d, Hq, Hkv", [(64, 9, 3), (32, 2, 2), (128, 4, 1), (64, 10, 2)])
+@pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16])
+def test_fused_exact_heads_long_context(d, Hq, Hkv, kv_dtype):
+    """The exact heads' vector kernel (d = dv ∈ {32, 64, 128}, ≤ 4 query heads per KV head; 5 takes the generic one)
+    over more keys than one split-K part (2048), with a tail of keys that is not a multiple of 16, and with its
+    keys and values stored in bf16 (kv_dtype): equal to the kernel's own chunked pass (fp32: the fp64 reference)."""
+    base = make_kernel("exact+sink_window", Hq, Hkv, d, exact=(0,) if Hkv == 1 else (0, Hkv - 1))
+    kernel = ExactHeadsKernel(base.inner, base.exact_kv_heads, kv_dtype)
+    q, k, v = make_qkv(1, Hq, Hkv, 2110, d)
+    got, state = run_decode(kernel, q.float(), k.float(), v.float(), 2101)
+    assert state.k.dtype == (kv_dtype or torch.float32)
+    if kv_dtype is None:
+        want = reference(kernel, q, k, v)
+    else:  # the same rounding on both sides: the chunked pass in fp32
+        with torch.no_grad():
+            want, _ = kernel(q.float(), k.float(), v.float())
+        want = want.double()
+    torch.testing.assert_close(got.double()[:, :, 2101:], want[:, :, 2101:], atol=2e-5, rtol=1e-4)
+
+
+def test_bf16_exact_buffers_grow_and_keep_their_dtype():
+    base = make_kernel("exact+oal", 6, 2, 16, exact=(1,))
+    kernel = ExactHeadsKernel(base.inner, base.exact_kv_heads, torch.bfloat16)
+    q, k, v = (x.float() for x in make_qkv(2, 6, 2, 80, 16))
+    got, state = run_decode(kernel, q, k, v, 5)  # 75 steps: the buffer grows past its first GROWTH slots
+    assert state.k.dtype == state.v.dtype == torch.bfloat16 and state.k.shape[2] >= 80
+    with torch.no_grad():
+        want, _ = kernel(q, k, v)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -143,3 +143,47 @@ def test_bad_inputs():
         m(q, k, v, initial_state=torch.zeros(1))
     with pytest.raises(ValueError, match="inner: expected"):
         ExactHeadsKernel(SoftmaxKernel(6, 3, 8), [0])
+
+
+@pytest.mark.parametrize("kind", ["oal", "sink_window"])
+def test_bf16_kv_rounds_the_exact_heads_keys_and_values_only(kind):
+    """kv_dtype=bf16: the exact heads attend over their keys/values rounded to bf16, stored so in the state; the
+    inner kernel's heads see the inputs as they are; prefill + continuation = one pass; config round trip."""
+    inner = make_inner(kind, 6, 3, 8, dtype=torch.float32)
+    m = ExactHeadsKernel(inner, [0, 2], kv_dtype=torch.bfloat16)
+    q, k, v = (x.float() for x in make_qkv(1, 6, 3, 40, 8))
+    kr, vr = k.clone(), v.clone()
+    kr[:, [0, 2]] = k[:, [0, 2]].bfloat16().float()
+    vr[:, [0, 2]] = v[:, [0, 2]].bfloat16().float()
+    plain = ExactHeadsKernel(inner, [0, 2])
+    with torch.no_grad():
+        o, state = m(q, k, v, output_final_state=True)
+        want, _ = plain(q, kr, vr)
+        head, st = m(q[:, :, :17], k[:, :, :17], v[:, :, :17], output_final_state=True)
+        tail, _ = m(q[:, :, 17:], k[:, :, 17:], v[:, :, 17:], initial_state=st)
+    assert state.k.dtype == state.v.dtype == torch.bfloat16
+    g = 2  # query heads per KV head
+    exact_q, kernel_q = group_q([0, 2], g), group_q([1], g)
+    torch.testing.assert_close(o[:, exact_q], want[:, exact_q], atol=1e-6, rtol=1e-5)
+    with torch.no_grad():
+        unrounded, _ = plain(q, k, v)
+    torch.testing.assert_close(o[:, kernel_q], unrounded[:, kernel_q], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([head, tail], 2), o, atol=1e-6, rtol=1e-5)
+    cfg = kernel_config(m)
+    assert cfg["kv_dtype"] == "bfloat16" and "kv_dtype" not in kernel_config(plain)
+    assert kernel_from_config(cfg).kv_dtype == torch.bfloat16
+
+
+def test_bad_kv_dtype_and_state_dtype():
+    with pytest.raises(ValueError, match="kv_dtype: expected None or torch.bfloat16"):
+        ExactHeadsKernel(make_inner("oal", 6, 3, 8), [0], kv_dtype=torch.float16)
+    m = ExactHeadsKernel(make_inner("oal", 6, 3, 8, dtype=torch.float32), [0], kv_dtype=torch.bfloat16)
+    q, k, v = (x.float() for x in make_qkv(1, 6, 3, 10, 8))
+    with torch.no_grad():
+        _, st = m(q, k, v, output_final_state=True)
+        bad = ExactHeadsState(st.k.float(), st.v.float(), st.inner, st.offset)
+        with pytest.raises(ValueError, match="in torch.bfloat16"):
+            m(q, k, v, initial_state=bad)
+    cfg = {**kernel_config(m), "kv_dtype": "float16"}
+    with pytest.raises(ValueError, match="kv_dtype expected 'bfloat16'"):
+        kernel_from_config(cfg)

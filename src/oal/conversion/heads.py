@@ -82,10 +82,13 @@ def rank_heads(scores: torch.Tensor, layers: Iterable[int]) -> list[tuple[int, i
     return sorted(pairs, key=lambda lh: (-float(scores[lh[0], lh[1]]), lh[0], lh[1]))
 
 
-def add_exact_heads(model: PreTrainedModel, heads: Mapping[int, Sequence[int]]) -> PreTrainedModel:
+def add_exact_heads(
+    model: PreTrainedModel, heads: Mapping[int, Sequence[int]], *, kv_dtype: torch.dtype | None = None
+) -> PreTrainedModel:
     """Keep the KV heads ``heads[layer]`` of converted layers exact: each such layer's kernel (OAL, global, or
-    either with sinks + window) is wrapped in an :class:`ExactHeadsKernel`, in place; the conversion record
-    lists them under ``exact_heads``. Returns the model."""
+    either with sinks + window) is wrapped in an :class:`ExactHeadsKernel` (storing the exact keys and values in
+    ``kv_dtype``, None: the model's dtype), in place; the conversion record lists them under ``exact_heads``.
+    Returns the model."""
     from .convert import CONFIG_KEY, conversion_info
 
     info = conversion_info(model)
@@ -104,7 +107,7 @@ def add_exact_heads(model: PreTrainedModel, heads: Mapping[int, Sequence[int]]) 
                 f"heads: layer {layer} has a {type(inner).__name__}; exact heads wrap OAL / global kernels with or "
                 "without sinks and a window"
             )
-        wrapped[layer] = ExactHeadsKernel(inner, list(kv))
+        wrapped[layer] = ExactHeadsKernel(inner, list(kv), kv_dtype)
     for layer, kernel in wrapped.items():
         attach_kernel(model, layer, kernel)
     record = {str(layer): list(k.exact_kv_heads) for layer, k in wrapped.items()}

@@ -119,7 +119,8 @@ def decode_step(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state
             return None
         ex_k, ex_v = _grown(state.k, past), _grown(state.v, past)
         inner = state.inner
-        if not _fp32(ex_k, ex_v):
+        kv = kernel.kv_dtype or torch.float32  # the exact heads' keys and values: fp32, or bf16 (kv_dtype)
+        if not all(t.dtype == kv and t.device.type == "cpu" for t in (ex_k, ex_v)):
             return None
     S = sink_k = sink_v = win_k = win_v = _EMPTY
     if rest:

@@ -61,16 +61,24 @@ class ExactHeadsKernel(AttentionKernel):
 
     ``inner`` is an :class:`OALKernel` / :class:`GlobalQuadraticKernel` or a :class:`SinkWindowKernel` around one,
     built for all ``Hq`` heads. ``forward`` returns an :class:`ExactHeadsState` as its recurrent state.
+    ``kv_dtype`` (``torch.bfloat16`` or None): the dtype the exact heads' keys and values are stored in, and rounded
+    to before they are used, also within a prompt (None: the inputs' dtype). bf16 halves the growing part of the
+    cache and what a decode step reads of it; the attention itself computes in the inputs' dtype.
     """
 
-    def __init__(self, inner: OALKernel | SinkWindowKernel, exact_kv_heads: Iterable[int]) -> None:
+    def __init__(
+        self, inner: OALKernel | SinkWindowKernel, exact_kv_heads: Iterable[int], kv_dtype: torch.dtype | None = None
+    ) -> None:
         if not isinstance(inner, (OALKernel, SinkWindowKernel)):
             raise ValueError(
                 f"inner: expected an OALKernel, GlobalQuadraticKernel or SinkWindowKernel, got {type(inner).__name__}"
             )
+        if kv_dtype not in (None, torch.bfloat16):
+            raise ValueError(f"kv_dtype: expected None or torch.bfloat16, got {kv_dtype!r}")
         super().__init__(inner.num_heads, inner.num_kv_heads, inner.head_dim)
         self.inner = inner
         self.exact_kv_heads = _check_heads(exact_kv_heads, inner.num_kv_heads)
+        self.kv_dtype = kv_dtype
         self.name = f"{inner.name}+exact"
         g = self.num_heads // self.num_kv_heads
         rest = [h for h in range(self.num_kv_heads) if h not in self.exact_kv_heads]
@@ -79,7 +87,8 @@ class ExactHeadsKernel(AttentionKernel):
         self._kernel_q = [h * g + i for h in rest for i in range(g)]
 
     def extra_repr(self) -> str:
-        return f"name={self.name!r}, exact_kv_heads={list(self.exact_kv_heads)}"
+        kv = "" if self.kv_dtype is None else f", kv_dtype={self.kv_dtype}"
+        return f"name={self.name!r}, exact_kv_heads={list(self.exact_kv_heads)}{kv}"
 
     @property
     def _oal(self) -> OALKernel:
@@ -93,7 +102,8 @@ class ExactHeadsKernel(AttentionKernel):
         positions = check_positions(positions, q.shape[2])
         w = self.inner.weights(q, k, positions)
         qs = q[:, self._exact_q][:, :, positions].to(w.dtype)
-        ke = repeat_kv(k[:, list(self.exact_kv_heads)].to(w.dtype), len(self._exact_q))
+        ke = k[:, list(self.exact_kv_heads)].to(self.kv_dtype or k.dtype)
+        ke = repeat_kv(ke.to(w.dtype), len(self._exact_q))
         logits = (qs @ ke.mT) * self.scale
         logits = logits.masked_fill(~self.causal_mask(positions, k.shape[2]), float("-inf"))
         exact = torch.exp(logits - logits.amax(-1, keepdim=True))
@@ -177,7 +187,8 @@ class ExactHeadsKernel(AttentionKernel):
                 f"{k.shape[1]} and {v.shape[1]}"
             )
         ex = list(self.exact_kv_heads)
-        ke, ve = k[:, ex], v[:, ex]
+        kv_dtype = self.kv_dtype or k.dtype
+        ke, ve = k[:, ex].to(kv_dtype), v[:, ex].to(kv_dtype)
         past = 0
         inner_state = None
         if initial_state is not None:
@@ -190,19 +201,20 @@ class ExactHeadsKernel(AttentionKernel):
                 tuple(sk.shape[:2]) != want
                 or sk.shape[2] < past
                 or sk.shape[-1] != k.shape[-1]
-                or sk.dtype != k.dtype
+                or sk.dtype != kv_dtype
+                or sv.dtype != kv_dtype
                 or tuple(sv.shape[:3]) != tuple(sk.shape[:3])
             ):
                 raise ValueError(
                     f"initial_state: expected exact keys of shape {want + ('≥' + str(past), k.shape[-1])} in "
-                    f"{k.dtype} and values of the same length, got {tuple(sk.shape)} in {sk.dtype} and "
-                    f"{tuple(sv.shape)}"
+                    f"{kv_dtype} and values of the same length, got {tuple(sk.shape)} in {sk.dtype} and "
+                    f"{tuple(sv.shape)} in {sv.dtype}"
                 )
             inner_state = initial_state.inner
             ke = torch.cat([sk[:, :, :past], ke], dim=2)
             ve = torch.cat([sv[:, :, :past], ve], dim=2)
         o = q.new_empty(q.shape[0], self.num_heads, q.shape[2], v.shape[-1])
-        o[:, self._exact_q] = self._exact_forward(q[:, self._exact_q], ke, ve, past).to(o.dtype)
+        o[:, self._exact_q] = self._exact_forward(q[:, self._exact_q], ke.to(q.dtype), ve.to(q.dtype), past).to(o.dtype)
         new_inner = None
         if self._kernel_q:
             rest = list(self.kernel_kv_heads)

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -227,15 +228,34 @@ void kernel_finish(const KernelHeadArgs& a, float* acc, int64_t G, int64_t d, in
   }
 }
 
+// a row of n stored keys / values as fp32: the row itself, or (bf16 storage) its widening into buf
+inline const float* row_f32(const float* x, int64_t, float*) { return x; }
+inline const float* row_f32(const uint16_t* x, int64_t n, float* buf) {
+  for (int64_t r = 0; r < n; ++r) {  // bf16 is the top half of an fp32: widening is a shift
+    const uint32_t bits = static_cast<uint32_t>(x[r]) << 16;
+    std::memcpy(buf + r, &bits, sizeof(float));
+  }
+  return buf;
+}
+
+// fp32 -> bf16, rounding to nearest even (the rounding torch's .to(torch.bfloat16) does; inputs are finite)
+inline uint16_t to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 // one split-K part of an exact head's softmax: the G queries over keys [j0, j1) (the new key already written at
-// slot t). Writes per query g the part's max M[g], Σ e^{s-M} total[g] and Σ e^{s-M} v into out (G, dv).
-void exact_part_of_head(const float* q, const float* K, const float* V, float* M, float* total, float* out, int64_t G,
+// slot t), keys and values stored as T (fp32, or bf16 as uint16). Writes per query g the part's max M[g],
+// Σ e^{s-M} total[g] and Σ e^{s-M} v into out (G, dv). Any shape; exact_part_fast below for the usual ones.
+template <typename T>
+void exact_part_any(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t G,
                         int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale) {
   const int64_t n = j1 - j0;
-  std::vector<float> logit(G * n);
+  std::vector<float> logit(G * n), buf(std::max(d, dv));
   for (int64_t g = 0; g < G; ++g) M[g] = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
-    const float* kj = K + (j0 + j) * d;
+    const float* kj = row_f32(K + (j0 + j) * d, d, buf.data());
     for (int64_t g = 0; g < G; ++g) {
       const float s = dot(q + g * d, kj, d) * scale;
       logit[g * n + j] = s;
@@ -255,9 +275,125 @@ void exact_part_of_head(const float* q, const float* K, const float* V, float* M
   }
   std::fill(out, out + G * dv, 0.f);
   for (int64_t j = 0; j < n; ++j) {
-    const float* vj = V + (j0 + j) * dv;
+    const float* vj = row_f32(V + (j0 + j) * dv, dv, buf.data());
     for (int64_t g = 0; g < G; ++g) axpy(out + g * dv, logit[g * n + j], vj, dv);
   }
+}
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+// 16 stored numbers as fp32 lanes
+inline v16 load16(const uint16_t* p) {  // bf16: widen (the top half of an fp32)
+  u16x16 x;
+  std::memcpy(&x, p, sizeof(x));
+  const u32x16 w = __builtin_convertvector(x, u32x16) << 16;
+  v16 f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
+// r[j] = Σ_l a[j][l] for 16 vectors: a transposing reduction tree (45 shuffles and adds for 16 sums, where one
+// horizontal sum per vector costs about as many for one)
+inline v16 sum_lanes16(const v16* a) {
+  v16 b[8], c[4], e[2];
+  for (int k = 0; k < 8; ++k)  // keys 2k, 2k+1: 8 partial sums each
+    b[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * k], a[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int k = 0; k < 4; ++k)  // keys 4k … 4k+3: 4 each
+    c[k] = __builtin_shufflevector(b[2 * k], b[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * k], b[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int k = 0; k < 2; ++k)  // keys 8k … 8k+7: 2 each
+    e[k] = __builtin_shufflevector(c[2 * k], c[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * k], c[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// exact_part_any for G query heads and d = 16·ND, dv = 16·NV: the scores of 16 keys at a time in 16 vector
+// accumulators summed by one reduction tree, the weighted values accumulated in G·NV vector registers. The
+// decode step's exact heads were bound by instructions (a horizontal sum per key and query, values re-loaded
+// and stored per key), not by the bytes they read.
+template <typename T, int G, int ND, int NV>
+void exact_part_fast(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t j0,
+                     int64_t j1, float scale) {
+  constexpr int64_t d = 16 * ND, dv = 16 * NV;
+  const int64_t n = j1 - j0;
+  std::vector<float> logit(G * n);
+  v16 qv[G][ND];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < ND; ++c) qv[g][c] = load16(q + g * d + c * 16);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const T* kb = K + (j0 + j) * d;
+    for (int g = 0; g < G; ++g) {
+      v16 acc[16];
+      for (int x = 0; x < 16; ++x) {
+        v16 a = qv[g][0] * load16(kb + x * d);
+        for (int c = 1; c < ND; ++c) a += qv[g][c] * load16(kb + x * d + c * 16);
+        acc[x] = a;
+      }
+      store16(logit.data() + g * n + j, sum_lanes16(acc) * scale);
+    }
+  }
+  for (; j < n; ++j)
+    for (int g = 0; g < G; ++g) {
+      v16 a = qv[g][0] * load16(K + (j0 + j) * d);
+      for (int c = 1; c < ND; ++c) a += qv[g][c] * load16(K + (j0 + j) * d + c * 16);
+      float sum = 0.f;
+      for (int l = 0; l < 16; ++l) sum += a[l];
+      logit[g * n + j] = sum * scale;
+    }
+  for (int g = 0; g < G; ++g) {
+    float* lg = logit.data() + g * n;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t x = 0; x < n; ++x) m = std::max(m, lg[x]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t x = 0; x < n; ++x) {
+      lg[x] = exp_nonpos(lg[x] - m);
+      sum += lg[x];
+    }
+    M[g] = m;
+    total[g] = sum;
+  }
+  v16 o[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) o[g][c] = v16{};
+  for (int64_t x = 0; x < n; ++x) {
+    v16 vr[NV];
+    for (int c = 0; c < NV; ++c) vr[c] = load16(V + (j0 + x) * dv + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const float p = logit[g * n + x];
+      for (int c = 0; c < NV; ++c) o[g][c] += p * vr[c];
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) store16(out + g * dv + c * 16, o[g][c]);
+}
+
+template <typename T, int ND>
+bool exact_part_g(int64_t G, const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t j0,
+                  int64_t j1, float scale) {
+  switch (G) {
+    case 1: exact_part_fast<T, 1, ND, ND>(q, K, V, M, total, out, j0, j1, scale); return true;
+    case 2: exact_part_fast<T, 2, ND, ND>(q, K, V, M, total, out, j0, j1, scale); return true;
+    case 3: exact_part_fast<T, 3, ND, ND>(q, K, V, M, total, out, j0, j1, scale); return true;
+    case 4: exact_part_fast<T, 4, ND, ND>(q, K, V, M, total, out, j0, j1, scale); return true;
+    default: return false;
+  }
+}
+
+// one split-K part of an exact head (see exact_part_any): the fast kernel for G ≤ 4 and d = dv ∈ {32, 64, 128}
+template <typename T>
+void exact_part_of_head(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t G,
+                        int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale) {
+  bool done = false;
+  if (d == dv && d == 32) done = exact_part_g<T, 2>(G, q, K, V, M, total, out, j0, j1, scale);
+  if (d == dv && d == 64) done = exact_part_g<T, 4>(G, q, K, V, M, total, out, j0, j1, scale);
+  if (d == dv && d == 128) done = exact_part_g<T, 8>(G, q, K, V, M, total, out, j0, j1, scale);
+  if (!done) exact_part_any(q, K, V, M, total, out, G, d, dv, j0, j1, scale);
 }
 
 // the exact head's output from its P parts (each M (G,), total (G,), out (G, dv), packed one after another)
@@ -281,7 +417,8 @@ void combine_exact_parts(const float* parts, int64_t P, int64_t G, int64_t dv, f
 }
 
 // q (B, Hq, d), k (B, Hkv, d), v (B, Hkv, dv), out (B, Hq, dv) written.
-// exact_heads (E,) int64 with ex_k (B, E, cap, d), ex_v (B, E, cap, dv), cap > t (slot t is written).
+// exact_heads (E,) int64 with ex_k (B, E, cap, d), ex_v (B, E, cap, dv) in fp32 or bf16, cap > t (slot t is
+// written).
 // kern_heads (K,) int64 with S (B, K, D, dv+1), wq (K·G, D), beta (K·G,), sink_k/v (B, K, n_sink, ·),
 // win_k/v (B, K, w, ·). exact_part: whether the kernel heads have sinks / a window (else plain kernel).
 void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Tensor& exact_heads,
@@ -300,9 +437,13 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
   const int64_t* eh = exact_heads.data_ptr<int64_t>();
   const int64_t* kh = kern_heads.data_ptr<int64_t>();
   int64_t cap = 0;
+  bool ex_bf16 = false;  // the exact heads' keys and values stored in bf16 (ExactHeadsKernel kv_dtype)
   if (E) {
-    check_f32(ex_k, "ex_k", 4);
-    check_f32(ex_v, "ex_v", 4);
+    ex_bf16 = ex_k.scalar_type() == at::kBFloat16;
+    TORCH_CHECK((ex_bf16 || ex_k.scalar_type() == at::kFloat) && ex_v.scalar_type() == ex_k.scalar_type() &&
+                    ex_k.is_contiguous() && ex_v.is_contiguous() && ex_k.dim() == 4 && ex_v.dim() == 4 &&
+                    ex_k.device().is_cpu() && ex_v.device().is_cpu(),
+                "ex_k, ex_v: expected contiguous CPU float32 or bfloat16 tensors of one dtype with 4 dimensions");
     cap = ex_k.size(2);
     TORCH_CHECK(cap > t && ex_v.size(2) == cap, "ex_k, ex_v: expected a capacity above t=", t);
   }
@@ -325,11 +466,19 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   // the new keys of the exact heads first, so that every split-K part can read slot t
+  uint16_t* ekb = ex_bf16 ? reinterpret_cast<uint16_t*>(ex_k.data_ptr<at::BFloat16>()) : nullptr;
+  uint16_t* evb = ex_bf16 ? reinterpret_cast<uint16_t*>(ex_v.data_ptr<at::BFloat16>()) : nullptr;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < E; ++i) {
-      const int64_t h = eh[i];
-      std::memcpy(ex_k.data_ptr<float>() + ((b * E + i) * cap + t) * d, kp + (b * Hkv + h) * d, sizeof(float) * d);
-      std::memcpy(ex_v.data_ptr<float>() + ((b * E + i) * cap + t) * dv, vp + (b * Hkv + h) * dv, sizeof(float) * dv);
+      const int64_t h = eh[i], ko = ((b * E + i) * cap + t) * d, vo = ((b * E + i) * cap + t) * dv;
+      const float *kx = kp + (b * Hkv + h) * d, *vx = vp + (b * Hkv + h) * dv;
+      if (ex_bf16) {
+        for (int64_t r = 0; r < d; ++r) ekb[ko + r] = to_bf16(kx[r]);
+        for (int64_t c = 0; c < dv; ++c) evb[vo + c] = to_bf16(vx[c]);
+      } else {
+        std::memcpy(ex_k.data_ptr<float>() + ko, kx, sizeof(float) * d);
+        std::memcpy(ex_v.data_ptr<float>() + vo, vx, sizeof(float) * dv);
+      }
     }
   const int64_t P = (t + 1 + EXACT_BLOCK - 1) / EXACT_BLOCK;  // split-K parts per exact head
   const int64_t part_size = G * (dv + 2);
@@ -362,9 +511,14 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
         const int64_t x = task - B * K * R, part = x % P, bi = x / P, b = bi / E, i = bi % E, h = eh[i];
         float* slot = parts.data() + x * part_size;
         const int64_t j0 = part * EXACT_BLOCK, j1 = std::min(t + 1, j0 + EXACT_BLOCK);
-        exact_part_of_head(qp + (b * Hq + h * G) * d, ex_k.data_ptr<float>() + bi * cap * d,
-                           ex_v.data_ptr<float>() + bi * cap * dv, slot, slot + G, slot + 2 * G, G, d, dv, j0, j1,
-                           float(scale));
+        if (ex_bf16) {
+          exact_part_of_head(qp + (b * Hq + h * G) * d, ekb + bi * cap * d, evb + bi * cap * dv, slot, slot + G,
+                             slot + 2 * G, G, d, dv, j0, j1, float(scale));
+        } else {
+          exact_part_of_head(qp + (b * Hq + h * G) * d, ex_k.data_ptr<float>() + bi * cap * d,
+                             ex_v.data_ptr<float>() + bi * cap * dv, slot, slot + G, slot + 2 * G, G, d, dv, j0, j1,
+                             float(scale));
+        }
         continue;
       }
       const int64_t bj = task / R, c = task % R;
