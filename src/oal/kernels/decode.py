@@ -77,14 +77,15 @@ def _constants(kernel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
     return consts
 
 
-def _fp32(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+def _on_cpu(*tensors: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether every tensor is a CPU tensor of ``dtype`` (fp32 unless told)."""
+    return all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
 
 
 def _usable(kernel, q, k, v) -> bool:
     if not isinstance(kernel, (OALKernel, SinkWindowKernel, ExactHeadsKernel)):
         return False
-    if q.dim() != 4 or q.shape[2] != 1 or not _fp32(q, k, v):
+    if q.dim() != 4 or q.shape[2] != 1 or not _on_cpu(q, k, v):
         return False
     if torch.is_grad_enabled() and (
         any(p.requires_grad for p in kernel.parameters()) or any(t.requires_grad for t in (q, k, v))
@@ -119,8 +120,8 @@ def decode_step(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state
             return None
         ex_k, ex_v = _grown(state.k, past), _grown(state.v, past)
         inner = state.inner
-        kv = kernel.kv_dtype or torch.float32  # the exact heads' keys and values: fp32, or bf16 (kv_dtype)
-        if not all(t.dtype == kv and t.device.type == "cpu" for t in (ex_k, ex_v)):
+        # the exact heads' keys and values: fp32, or bf16 (kv_dtype)
+        if not _on_cpu(ex_k, ex_v, dtype=kernel.kv_dtype or torch.float32):
             return None
     S = sink_k = sink_v = win_k = win_v = _EMPTY
     if rest:
@@ -128,9 +129,9 @@ def decode_step(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state
             if not isinstance(inner, SinkWindowState) or inner.offset != past:
                 return None
             S, sink_k, sink_v, win_k, win_v = (t.contiguous() for t in inner[:5])
-            if not _fp32(S, sink_k, sink_v, win_k, win_v):
+            if not _on_cpu(S, sink_k, sink_v, win_k, win_v):
                 return None
-        elif isinstance(inner, torch.Tensor) and _fp32(inner):
+        elif isinstance(inner, torch.Tensor) and _on_cpu(inner):
             S = inner.contiguous()
         else:
             return None

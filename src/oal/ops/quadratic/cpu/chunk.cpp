@@ -89,15 +89,21 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
-// weighted query features f ∈ [fa, fb) of one row: out[f - fa] = w[f] · y[r] · y[r + δ], y the doubled [x, 1]
-inline void query_features(const float* y, const float* w, int64_t P, int64_t fa, int64_t fb, float* out) {
+// features f ∈ [fa, fb) of one row: out[f - fa] = w[f] · y[r] · y[r + δ] (w null: without the weight), y the
+// doubled [x, 1]; f = r·P + δ
+template <typename T>
+inline void pair_features(const T* y, const T* w, int64_t P, int64_t fa, int64_t fb, T* out) {
   for (int64_t f = fa; f < fb;) {
     const int64_t r = f / P, delta = f - r * P, len = std::min(P - delta, fb - f);
-    const float yr = y[r];
-    const float* ys = y + r + delta;
-    const float* wf = w + f;
-    float* dst = out + (f - fa);
-    for (int64_t t = 0; t < len; ++t) dst[t] = yr * ys[t] * wf[t];
+    const T yr = y[r];
+    const T* ys = y + r + delta;
+    T* dst = out + (f - fa);
+    if (w) {
+      const T* wf = w + f;
+      for (int64_t t = 0; t < len; ++t) dst[t] = yr * ys[t] * wf[t];
+    } else {
+      for (int64_t t = 0; t < len; ++t) dst[t] = yr * ys[t];
+    }
     f += len;
   }
 }
@@ -244,7 +250,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
               const int64_t kb = std::min(kBlock, fb - f0);
               for (int64_t i = 0; i < mr; ++i) {
                 float* a = blk + i * kb;
-                query_features(yq + (r0 + i) * e2, wh + (r0 + i) / n * Dc, P, f0, f0 + kb, a);
+                pair_features(yq + (r0 + i) * e2, wh + (r0 + i) / n * Dc, P, f0, f0 + kb, a);
                 dpart[r0 + i] += dot(a, Z + f0, kb);
               }
               for (int64_t t = 0; t < tiles; ++t)
@@ -309,25 +315,9 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
 // Features exist for one chunk at a time (G·n·Dc and n·Dc numbers), never for the sequence, which is what the
 // autograd loop stores; the products go through at::mm, the rest runs in loops over rows.
 
-// features of one doubled row y (2e): out[r·P + δ] = y_r · y_{r+δ} (· w[r·P + δ] when w is given)
+// adjoint of pair_features over a whole row without weights: dy (2e, zeroed by the caller) += ∂(Σ_f g_f φ_f)/∂y
 template <typename T>
-inline void row_features(const T* y, const T* w, int64_t e, int64_t P, T* out) {
-  for (int64_t r = 0; r < e; ++r) {
-    const T yr = y[r];
-    const T* ys = y + r;
-    T* o = out + r * P;
-    if (w) {
-      const T* wr = w + r * P;
-      for (int64_t t = 0; t < P; ++t) o[t] = yr * ys[t] * wr[t];
-    } else {
-      for (int64_t t = 0; t < P; ++t) o[t] = yr * ys[t];
-    }
-  }
-}
-
-// adjoint of row_features without weights: dy (2e, zeroed by the caller) += ∂(Σ_f g_f φ_f) / ∂y
-template <typename T>
-inline void row_features_adjoint(const T* __restrict y, const T* __restrict g, int64_t e, int64_t P,
+inline void pair_features_adjoint(const T* __restrict y, const T* __restrict g, int64_t e, int64_t P,
                                  T* __restrict dy) {
   for (int64_t r = 0; r < e; ++r) {
     const T yr = y[r];
@@ -432,7 +422,7 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
           const T* vx = vh + (start + j) * dv;
           for (int64_t c = 0; c < dv; ++c) u[j * dv1 + c] = om * vx[c];
           u[j * dv1 + dv] = om;
-          row_features<T>(y, nullptr, e, P, pk + j * Dc);
+          pair_features<T>(y, nullptr, P, 0, Dc, pk + j * Dc);
         }
       });
     };
@@ -460,7 +450,7 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
           T* y = yq + row * e2;
           for (int64_t r = 0; r < d; ++r) y[r] = y[r + e] = x[r];
           y[d] = y[d + e] = 1;
-          row_features<T>(y, wh + g * Dc, e, P, pq + row * Dc);
+          pair_features<T>(y, wh + g * Dc, P, 0, Dc, pq + row * Dc);
           const int64_t at_ = (bh * G + g) * N + pos;  // dens (B, Hkv, G, N)
           const T den = DENS[at_], cnt = static_cast<T>(counts[pos]);
           const bool empty = weighted && cnt <= 0;  // no key yet: the forward divided by 1
@@ -570,7 +560,7 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
                 grr[t] *= wrr[t];
               }
             }
-            row_features_adjoint<T>(y, gr, e, P, dy);
+            pair_features_adjoint<T>(y, gr, e, P, dy);
             T* dx = DQ + ((bi * Hq + h * G + g) * N + start + i) * d;
             fold_doubled<T>(dy, d, e, dx);
             for (int64_t m = 0; m < R; ++m) {
@@ -580,7 +570,7 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
             }
           } else {
             const int64_t j = row - rows, pos = start + j;
-            row_features_adjoint<T>(yk + j * e2, dpk + j * Dc, e, P, dy);
+            pair_features_adjoint<T>(yk + j * e2, dpk + j * Dc, e, P, dy);
             T* dx = DK + (bh * N + pos) * d;
             fold_doubled<T>(dy, d, e, dx);
             for (int64_t r = 0; r < d; ++r) dx[r] += dkb[j * e + r];

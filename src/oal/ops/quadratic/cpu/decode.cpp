@@ -248,31 +248,34 @@ inline uint16_t to_bf16(float x) {
 // one split-K part of an exact head's softmax: the G queries over keys [j0, j1) (the new key already written at
 // slot t), keys and values stored as T (fp32, or bf16 as uint16). Writes per query g the part's max M[g],
 // Σ e^{s-M} total[g] and Σ e^{s-M} v into out (G, dv). Any shape; exact_part_fast below for the usual ones.
-template <typename T>
-void exact_part_any(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t G,
-                        int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale) {
-  const int64_t n = j1 - j0;
-  std::vector<float> logit(G * n), buf(std::max(d, dv));
-  for (int64_t g = 0; g < G; ++g) M[g] = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    const float* kj = row_f32(K + (j0 + j) * d, d, buf.data());
-    for (int64_t g = 0; g < G; ++g) {
-      const float s = dot(q + g * d, kj, d) * scale;
-      logit[g * n + j] = s;
-      M[g] = std::max(M[g], s);
-    }
-  }
+// logit (G, n) -> e^{logit - M} per row in place, with each row's max M[g] and Σ total[g]
+inline void exp_rows(float* logit, int64_t G, int64_t n, float* M, float* total) {
   for (int64_t g = 0; g < G; ++g) {
-    float* lg = logit.data() + g * n;
-    const float m = M[g];
+    float* lg = logit + g * n;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t x = 0; x < n; ++x) m = std::max(m, lg[x]);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
-      lg[j] = exp_nonpos(lg[j] - m);
-      sum += lg[j];
+    for (int64_t x = 0; x < n; ++x) {
+      lg[x] = exp_nonpos(lg[x] - m);
+      sum += lg[x];
     }
+    M[g] = m;
     total[g] = sum;
   }
+}
+
+template <typename T>
+void exact_part_any(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t G,
+                    int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale) {
+  const int64_t n = j1 - j0;
+  std::vector<float> logit(G * n), buf(std::max(d, dv));
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = row_f32(K + (j0 + j) * d, d, buf.data());
+    for (int64_t g = 0; g < G; ++g) logit[g * n + j] = dot(q + g * d, kj, d) * scale;
+  }
+  exp_rows(logit.data(), G, n, M, total);
   std::fill(out, out + G * dv, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const float* vj = row_f32(V + (j0 + j) * dv, dv, buf.data());
@@ -323,41 +326,29 @@ void exact_part_fast(const float* q, const T* K, const T* V, float* M, float* to
   v16 qv[G][ND];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < ND; ++c) qv[g][c] = load16(q + g * d + c * 16);
+  // q_g ⊙ k summed over the ND vector chunks of d: its 16 lanes add up to q_g · k
+  auto products = [&](int g, const T* k) {
+    v16 a = qv[g][0] * load16(k);
+    for (int c = 1; c < ND; ++c) a += qv[g][c] * load16(k + c * 16);
+    return a;
+  };
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const T* kb = K + (j0 + j) * d;
     for (int g = 0; g < G; ++g) {
       v16 acc[16];
-      for (int x = 0; x < 16; ++x) {
-        v16 a = qv[g][0] * load16(kb + x * d);
-        for (int c = 1; c < ND; ++c) a += qv[g][c] * load16(kb + x * d + c * 16);
-        acc[x] = a;
-      }
+      for (int x = 0; x < 16; ++x) acc[x] = products(g, kb + x * d);
       store16(logit.data() + g * n + j, sum_lanes16(acc) * scale);
     }
   }
   for (; j < n; ++j)
     for (int g = 0; g < G; ++g) {
-      v16 a = qv[g][0] * load16(K + (j0 + j) * d);
-      for (int c = 1; c < ND; ++c) a += qv[g][c] * load16(K + (j0 + j) * d + c * 16);
+      const v16 a = products(g, K + (j0 + j) * d);
       float sum = 0.f;
       for (int l = 0; l < 16; ++l) sum += a[l];
       logit[g * n + j] = sum * scale;
     }
-  for (int g = 0; g < G; ++g) {
-    float* lg = logit.data() + g * n;
-    float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t x = 0; x < n; ++x) m = std::max(m, lg[x]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t x = 0; x < n; ++x) {
-      lg[x] = exp_nonpos(lg[x] - m);
-      sum += lg[x];
-    }
-    M[g] = m;
-    total[g] = sum;
-  }
+  exp_rows(logit.data(), G, n, M, total);
   v16 o[G][NV];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NV; ++c) o[g][c] = v16{};
@@ -511,13 +502,14 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
         const int64_t x = task - B * K * R, part = x % P, bi = x / P, b = bi / E, i = bi % E, h = eh[i];
         float* slot = parts.data() + x * part_size;
         const int64_t j0 = part * EXACT_BLOCK, j1 = std::min(t + 1, j0 + EXACT_BLOCK);
-        if (ex_bf16) {
-          exact_part_of_head(qp + (b * Hq + h * G) * d, ekb + bi * cap * d, evb + bi * cap * dv, slot, slot + G,
+        auto part_of = [&](const auto* Ks, const auto* Vs) {
+          exact_part_of_head(qp + (b * Hq + h * G) * d, Ks + bi * cap * d, Vs + bi * cap * dv, slot, slot + G,
                              slot + 2 * G, G, d, dv, j0, j1, float(scale));
+        };
+        if (ex_bf16) {
+          part_of(ekb, evb);
         } else {
-          exact_part_of_head(qp + (b * Hq + h * G) * d, ex_k.data_ptr<float>() + bi * cap * d,
-                             ex_v.data_ptr<float>() + bi * cap * dv, slot, slot + G, slot + 2 * G, G, d, dv, j0, j1,
-                             float(scale));
+          part_of(ex_k.data_ptr<float>(), ex_v.data_ptr<float>());
         }
         continue;
       }
