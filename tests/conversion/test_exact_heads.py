@@ -6,7 +6,7 @@ import torch
 from tiny import byte_tokenizer, convert_tiny
 
 from oal.conversion import conversion_info, convert_model, load_converted, save_converted
-from oal.conversion.heads import add_exact_heads, rank_heads, retrieval_head_scores
+from oal.conversion.heads import add_exact_heads, approximation_error_scores, rank_heads, retrieval_head_scores
 from oal.kernels import ExactHeadsKernel, ExactHeadsState, OALKernel, SinkWindowKernel
 from oal.kernels.decode import GROWTH
 from oal.models import attached_kernels, capture_qkv, detach_kernel
@@ -116,6 +116,39 @@ def test_retrieval_head_scores_on_a_tiny_model(make_model):
     convert_model(model, "global", layers=[1])
     with pytest.raises(ValueError, match="original model"):
         retrieval_head_scores(model, tok, hay, lengths=[400], prompts=1, tasks=("passkey",), progress=False)
+
+
+def test_approximation_error_scores_by_hand(make_model):
+    import copy
+
+    base = make_model("llama", num_heads=6, num_kv_heads=2)
+    kernels = attached_kernels(convert_tiny(copy.deepcopy(base), window=5))
+    ids = torch.randint(0, 256, (1, 40))
+    s = approximation_error_scores(base, kernels, ids, skip=12)
+    assert s.shape == (4, 2) and torch.all(s[[0, 3]] == 0) and bool((s[1:3] > 0).all())
+    # by hand: layer 2, KV head 1 = query heads 3..5, positions 12..39
+    with torch.no_grad(), capture_qkv(base, layers=[2]) as rec:
+        base(input_ids=ids, use_cache=False)
+    q, k, v, _, scale = rec[2]
+    kk, vv = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
+    logits = (q @ kk.mT) * scale
+    logits = logits.masked_fill(torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf"))
+    exact = logits.softmax(-1) @ vv
+    with torch.no_grad():
+        approx = kernels[2](q, k, v)[0]
+    errs = [((approx - exact)[0, h, 12:].norm() / exact[0, h, 12:].norm()).item() for h in (3, 4, 5)]
+    assert s[2, 1].item() == pytest.approx(max(errs), rel=1e-4)
+    # a window that covers every key leaves nothing to approximate
+    wide = attached_kernels(convert_tiny(copy.deepcopy(base), window=64))
+    assert float(approximation_error_scores(base, wide, ids, skip=12).max()) < 1e-5
+    with pytest.raises(ValueError, match="ids"):
+        approximation_error_scores(base, kernels, ids[0])
+    with pytest.raises(ValueError, match="skip"):
+        approximation_error_scores(base, kernels, ids, skip=40)
+    with pytest.raises(ValueError, match="layers \\[7\\]"):
+        approximation_error_scores(base, {7: kernels[1]}, ids, skip=12)
+    with pytest.raises(ValueError, match="original model"):
+        approximation_error_scores(convert_tiny(copy.deepcopy(base)), kernels, ids, skip=12)
 
 
 def test_kernels_only_directory_loads_onto_the_named_base(make_model, tmp_path):

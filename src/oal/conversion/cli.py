@@ -67,8 +67,9 @@ def convert(
         typer.Option(
             "--recipe",
             help="Run a whole conversion recipe (calibration, exact heads; oal.conversion.recipe) instead: "
-            "'retrieval' (the default recipe), 'retrieval-bf16kv' (its exact keys/values in bf16) or "
-            "'kernel-only'. --kernel/--layers/--calibrated/--groups then do not apply.",
+            "'retrieval' (the default recipe), 'retrieval-fp32kv' (its exact keys/values in fp32), "
+            "'retrieval-copy' / 'retrieval-bf16kv' (copy-score heads only: no 8k retrieval) or 'kernel-only'. "
+            "--kernel/--layers/--calibrated/--groups then do not apply.",
         ),
     ] = None,
     data: Annotated[Path | None, typer.Option("--data", help="With --recipe: data folder (default $OAL_DATA_DIR).")] = (

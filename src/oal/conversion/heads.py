@@ -8,6 +8,11 @@ prompts and positions, maximised over the KV head's query heads (one query head 
 the group's exact cache). Heads that copy the key from the needle score near 1, heads that look locally near 0.
 This is the "retrieval head" criterion of the literature (attention on the copied token), measured with a
 haystack of natural text (the calibration split), not the filler the retrieval evaluation uses.
+
+Copy scores miss the heads whose *approximation* fails at long range: :func:`approximation_error_scores`
+measures, on one long block of natural text, how far each converted layer's kernel output is from the softmax
+output it replaces, per KV head. On SmolLM2 the heads of layers 3–10 are copied from by nobody and yet,
+converted, lose 8k retrieval (docs/results/conversion).
 """
 
 from __future__ import annotations
@@ -23,7 +28,13 @@ from ..evaluation.retrieval import build_prompt
 from ..kernels import AttentionKernel, ExactHeadsKernel, OALKernel, SinkWindowKernel, repeat_kv
 from ..models import attach_kernel, attached_kernels, attention_spec, capture_qkv
 
-__all__ = ["add_exact_heads", "gate_gradient_scores", "rank_heads", "retrieval_head_scores"]
+__all__ = [
+    "add_exact_heads",
+    "approximation_error_scores",
+    "gate_gradient_scores",
+    "rank_heads",
+    "retrieval_head_scores",
+]
 
 
 @torch.inference_mode()
@@ -74,6 +85,44 @@ def retrieval_head_scores(
         count += 1
     per_q = total / count
     return per_q.view(spec.num_layers, spec.num_kv_heads, g).amax(-1).float()
+
+
+@torch.inference_mode()
+def approximation_error_scores(
+    model: PreTrainedModel, kernels: Mapping[int, AttentionKernel], ids: torch.Tensor, *, skip: int = 1024
+) -> torch.Tensor:
+    """``(num_layers, Hkv)``: for each layer in ``kernels`` and KV head, the relative error
+    ``‖o_kernel − o_softmax‖ / ‖o_softmax‖`` of the attention output over the positions ``skip …`` of ``ids``
+    ``(1, N)``, maximised over the KV head's query heads; both outputs from the q, k, v of the *unconverted*
+    ``model`` (so the errors of earlier layers do not enter). Layers without a kernel score 0.
+
+    The positions before ``skip`` are left out because there a sinks + window kernel is (nearly) exact; the
+    score asks what the kernel part does with the far context. ``kernels`` are the converted layers' kernels
+    (e.g. ``attached_kernels(converted)``); ``model`` must have none attached."""
+    spec = attention_spec(model)
+    if attached_kernels(model):
+        raise ValueError("model: score the kernels on the original model's q/k/v (it has kernels attached)")
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"ids: expected shape (1, N), got {tuple(ids.shape)}")
+    if not 0 <= skip < ids.shape[1]:
+        raise ValueError(f"skip: expected 0 <= skip < N = {ids.shape[1]}, got {skip}")
+    bad = sorted(set(kernels) - set(range(spec.num_layers)))
+    if bad:
+        raise ValueError(f"kernels: layers {bad} do not exist (the model has {spec.num_layers})")
+    g = spec.num_heads // spec.num_kv_heads
+    out = torch.zeros(spec.num_layers, spec.num_heads)
+    device = next(model.parameters()).device
+    with capture_qkv(model, layers=sorted(kernels), device=None) as rec:
+        model(input_ids=ids.to(device), use_cache=False)
+    for layer, kernel in sorted(kernels.items()):
+        q, k, v, _, scale = rec[layer]
+        exact = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=spec.num_heads != spec.num_kv_heads
+        )[0, :, skip:]
+        approx = kernel(q, k, v)[0][0, :, skip:]
+        err = (approx - exact).float().norm(dim=(-1, -2)) / exact.float().norm(dim=(-1, -2)).clamp_min(1e-30)
+        out[layer] = err.cpu()
+    return out.view(spec.num_layers, spec.num_kv_heads, g).amax(-1)
 
 
 def rank_heads(scores: torch.Tensor, layers: Iterable[int]) -> list[tuple[int, int]]:
