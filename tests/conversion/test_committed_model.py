@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from oal.evaluation.retrieval import build_prompt, greedy_continuation
 from oal.kernels import ExactHeadsKernel, SinkWindowKernel
@@ -31,7 +32,10 @@ def test_it_is_the_recipe(committed):
     kernels = attached_kernels(model)
     assert sorted(kernels) == list(range(30))
     exact = {i: list(k.exact_kv_heads) for i, k in kernels.items() if isinstance(k, ExactHeadsKernel)}
-    assert sum(map(len, exact.values())) == 20 and {str(i): v for i, v in exact.items()} == info["exact_heads"]
+    recipe = info["recipe"]
+    assert sum(map(len, exact.values())) == recipe["exact_heads"] + recipe["error_heads"] == 48
+    assert {str(i): v for i, v in exact.items()} == info["exact_heads"]
+    assert all(k.kv_dtype == torch.bfloat16 for k in kernels.values() if isinstance(k, ExactHeadsKernel))
     for k in kernels.values():
         sw = k.inner if isinstance(k, ExactHeadsKernel) else k
         assert isinstance(sw, SinkWindowKernel) and (sw.n_sink, sw.window) == (4, 256)

@@ -71,7 +71,7 @@ class Recipe:
     score_prompts: int = 6
     seed: int = 0
     exact_kv_dtype: str | None = "bfloat16"  # None: the exact heads' keys and values in the model's dtype
-    error_heads: int = 20
+    error_heads: int = 28
     error_len: int = 8192
     error_offset: int = 32768
 
