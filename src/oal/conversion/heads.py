@@ -32,6 +32,7 @@ __all__ = [
     "add_exact_heads",
     "approximation_error_scores",
     "gate_gradient_scores",
+    "output_errors",
     "rank_heads",
     "retrieval_head_scores",
 ]
@@ -116,13 +117,21 @@ def approximation_error_scores(
         model(input_ids=ids.to(device), use_cache=False)
     for layer, kernel in sorted(kernels.items()):
         q, k, v, _, scale = rec[layer]
-        exact = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, enable_gqa=spec.num_heads != spec.num_kv_heads
-        )[0, :, skip:]
-        approx = kernel(q, k, v)[0][0, :, skip:]
-        err = (approx - exact).float().norm(dim=(-1, -2)) / exact.float().norm(dim=(-1, -2)).clamp_min(1e-30)
-        out[layer] = err.cpu()
+        out[layer] = output_errors(kernel, q, k, v, scale, skip=skip).cpu()
     return out.view(spec.num_layers, spec.num_kv_heads, g).amax(-1)
+
+
+@torch.inference_mode()
+def output_errors(
+    kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, skip: int = 0
+) -> torch.Tensor:
+    """``(Hq,)``: ``‖o_kernel − o_softmax‖ / ‖o_softmax‖`` per query head over the positions ``skip …`` of one
+    sequence, q ``(1, Hq, N, d)``, k, v ``(1, Hkv, N, d)`` as :func:`oal.models.capture_qkv` records them."""
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )[0, :, skip:]
+    approx = kernel(q, k, v)[0][0, :, skip:]
+    return (approx - exact).float().norm(dim=(-1, -2)) / exact.float().norm(dim=(-1, -2)).clamp_min(1e-30)
 
 
 def rank_heads(scores: torch.Tensor, layers: Iterable[int]) -> list[tuple[int, int]]:

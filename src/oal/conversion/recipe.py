@@ -132,12 +132,13 @@ def run_recipe(
     base = load_model(model_name)
     n_layers = base.config.num_hidden_layers
     layers = list(range(n_layers)) if r.layers == "all" else parse_layers(r.layers, n_layers)
+    valid_text = load_text("valid", data_dir=data_dir).text if r.exact_heads or r.error_heads else None
     error_ids = None
     if r.error_heads:
         limit = getattr(base.config, "max_position_embeddings", None)
         if limit is not None and r.error_len > limit:
             raise ValueError(f"recipe.error_len: expected at most the model's {limit} positions, got {r.error_len}")
-        valid = tokenize(tokenizer, load_text("valid", data_dir=data_dir).text)
+        valid = tokenize(tokenizer, valid_text)
         if valid.numel() < r.error_offset + r.error_len:
             raise ValueError(
                 f"recipe.error_offset + error_len: WikiText-2 valid has {valid.numel()} tokens, "
@@ -166,7 +167,7 @@ def run_recipe(
     scores = None
     if r.exact_heads:
         with _timed(stages, "retrieval_heads"):
-            haystack = sentences_from_text(load_text("valid", data_dir=data_dir).text)
+            haystack = sentences_from_text(valid_text)
             scores = retrieval_head_scores(
                 base, tokenizer, haystack, lengths=r.score_lengths, prompts=r.score_prompts, progress=progress
             )
