@@ -9,27 +9,71 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// e^x for x ≤ 0 (softmax weights after the max is subtracted), branch-free so that loops over it vectorise;
-// glibc's vector expf needs -ffast-math, which would also assume away the infinities this file relies on.
-// Range reduction x = n ln2 + r, |r| ≤ ln2/2, a degree-7 Taylor-like minimax polynomial (Cephes' expf
-// coefficients), 2^n from the exponent bits; below -87 (2^-126) the result is 0. Relative error ≤ 2 ulp.
-inline float exp_nonpos(float x) {
-  const float xc = std::max(x, -87.f);
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+typedef float v16 __attribute__((vector_size(64)));  // GCC vectors: AVX-512 where the CPU has it
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+inline v16 load16(const float* p) {
+  v16 x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
+inline v16 splat16(float x) { return v16{} + x; }
+
+// e^x for x ≤ 0 (softmax weights after the max is subtracted), branch-free; glibc's vector expf needs -ffast-math,
+// which would also assume away the infinities these files rely on. Range reduction x = n ln2 + r, |r| ≤ ln2/2
+// (n rounded to nearest by the 1.5·2^23 shift), a degree-7 Taylor-like minimax polynomial (Cephes' expf
+// coefficients), 2^n from the exponent bits; below -87 (2^-126) the result is 0. Relative error ≤ 2 ulp. Written
+// once for 16 lanes (GCC vectors): the scalar loop under `omp simd` compiled to ~5 ns per element, the vector
+// form to ~0.3 ns. The scalar exp_nonpos is lane 0 of it, so a row's tail gets bit-identical weights.
+inline v16 exp_nonpos16(v16 x) {
+  const v16 lo = splat16(-87.f), shift = splat16(12582912.f);
+  const v16 xc = x < lo ? lo : x;
+  const v16 n = (xc * 1.44269504088896341f + shift) - shift;
+  const v16 r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  v16 p = splat16(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  int32_t bits;  // n ≥ -125 here, so the scaled exponent stays normal
+  i32x16 bits;  // n ≥ -126 here, so the scaled exponent stays normal
   std::memcpy(&bits, &p, sizeof(bits));
-  bits += static_cast<int32_t>(n) * (1 << 23);
-  float out;
+  bits += __builtin_convertvector(n, i32x16) << 23;
+  v16 out;
   std::memcpy(&out, &bits, sizeof(out));
-  return x < -87.f ? 0.f : out;
+  return x < lo ? v16{} : out;
+}
+
+inline float exp_nonpos(float x) { return exp_nonpos16(splat16(x))[0]; }
+
+// x[j] = e^{x[j] - m} for j < n (every x[j] ≤ m, or -inf), returning Σ_j x[j]
+inline float exp_shifted(float* x, int64_t n, float m) {
+  v16 acc{};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const v16 e = exp_nonpos16(load16(x + j) - m);
+    store16(x + j, e);
+    acc += e;
+  }
+  float sum = 0.f;
+  for (int l = 0; l < 16; ++l) sum += acc[l];
+  for (; j < n; ++j) sum += (x[j] = exp_nonpos(x[j] - m));
+  return sum;
+}
+
+// max_j x[j] for j < n (-inf for n = 0)
+inline float max_of(const float* x, int64_t n) {
+  v16 acc = splat16(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const v16 a = load16(x + j);
+    acc = a > acc ? a : acc;
+  }
+  float m = acc[0];
+  for (int l = 1; l < 16; ++l) m = std::max(m, acc[l]);
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
 }
 
 inline void axpy(float* y, float a, const float* x, int64_t n) {

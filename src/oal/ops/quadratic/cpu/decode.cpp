@@ -67,14 +67,6 @@ struct RowTable {
   }
 };
 
-typedef float v16 __attribute__((vector_size(64)));  // GCC vectors: AVX-512 where the CPU has it
-inline v16 load16(const float* p) {
-  v16 x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
-
 // acc (G, dv1) += Σ_{r ∈ [r0, r1)} c[g][r] S[r] for the G (≤ 4) query heads, after S[r] += Σ_j F[j][r] U[j] for
 // the n keys folded in. The readout is a (G × rows) · (rows × dv1) product whose accumulators stay in registers:
 // each row of S is loaded once (and stored once if keys fold in). NC = dv1 / 16 full vectors, the rest scalar.
@@ -166,6 +158,10 @@ void kernel_rows(const KernelHeadArgs& a, bool enter, const RowTable& rows, int6
   }
 }
 
+template <typename T>
+void exact_part_of_head(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t G,
+                        int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale);
+
 // Phase 2 of a kernel head, with acc the sum of its row parts: the normalisation, and (with sinks / a window) the
 // exact part in one normalisation with the kernel part, the window slide and the sinks.
 void kernel_finish(const KernelHeadArgs& a, float* acc, int64_t G, int64_t d, int64_t dv, int64_t t,
@@ -195,31 +191,29 @@ void kernel_finish(const KernelHeadArgs& a, float* acc, int64_t G, int64_t d, in
   // exact set: sinks j ≤ t, and window slots s holding positions p = t - w + 1 + s with p ≥ n_sink
   const int64_t ns = std::min(n_sink, t + 1);
   const int64_t s0 = std::max<int64_t>(0, n_sink - (t - w + 1));
-  const int64_t L = ns + std::max<int64_t>(0, w - s0);
-  const float* wk = a.win_k;
-  const float* wv = a.win_v;
-  std::vector<const float*> keys(L), vals(L);
-  for (int64_t j = 0; j < ns; ++j) keys[j] = a.sink_k + j * d, vals[j] = a.sink_v + j * dv;
-  for (int64_t s = s0; s < w; ++s) keys[ns + s - s0] = wk + s * d, vals[ns + s - s0] = wv + s * dv;
-  std::vector<float> p(L);
+  // the sinks j < ns and the window slots s0 … w-1 are each contiguous: two softmax parts (exact_part_of_head:
+  // max, Σ e^{s-M}, Σ e^{s-M} v), joined with the kernel part's log-mass in one normalisation
+  const int64_t part = G * (dv + 2);
+  std::vector<float> parts(2 * part);
+  float *sp = parts.data(), *wp = parts.data() + part;
+  if (ns > 0) exact_part_of_head(a.q, a.sink_k, a.sink_v, sp, sp + G, sp + 2 * G, G, d, dv, 0, ns, scale);
+  if (s0 < w) exact_part_of_head(a.q, a.win_k, a.win_v, wp, wp + G, wp + 2 * G, G, d, dv, s0, w, scale);
   for (int64_t g = 0; g < G; ++g) {
-    const float* qg = a.q + g * d;
     const float* num = acc + g * dv1;
     const float den = std::max(num[dv], floor * count);
     const float log_mass =
         count > 0.f ? a.beta[g] + std::log(den) : -std::numeric_limits<float>::infinity();
-    float M = log_mass;
-    for (int64_t j = 0; j < L; ++j) {
-      p[j] = dot(qg, keys[j], d) * scale;
-      M = std::max(M, p[j]);
-    }
+    float M = log_mass;  // finite: the exact set always holds sink 0 or the new key
+    if (ns > 0) M = std::max(M, sp[g]);
+    if (s0 < w) M = std::max(M, wp[g]);
     float total = 0.f;
     float* o = a.out + g * dv;
     std::fill(o, o + dv, 0.f);
-    for (int64_t j = 0; j < L; ++j) {
-      const float e = exp_nonpos(p[j] - M);
-      total += e;
-      axpy(o, e, vals[j], dv);
+    for (const float* pt : {ns > 0 ? sp : nullptr, s0 < w ? wp : nullptr}) {
+      if (pt == nullptr) continue;
+      const float f = std::exp(pt[g] - M);
+      total += f * pt[G + g];
+      axpy(o, f, pt + 2 * G + g * dv, dv);
     }
     const float ks = count > 0.f ? std::exp(log_mass - M) : 0.f;
     total += ks;
@@ -252,17 +246,8 @@ inline uint16_t to_bf16(float x) {
 inline void exp_rows(float* logit, int64_t G, int64_t n, float* M, float* total) {
   for (int64_t g = 0; g < G; ++g) {
     float* lg = logit + g * n;
-    float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t x = 0; x < n; ++x) m = std::max(m, lg[x]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t x = 0; x < n; ++x) {
-      lg[x] = exp_nonpos(lg[x] - m);
-      sum += lg[x];
-    }
-    M[g] = m;
-    total[g] = sum;
+    M[g] = max_of(lg, n);
+    total[g] = exp_shifted(lg, n, M[g]);
   }
 }
 
@@ -333,11 +318,22 @@ void exact_part_fast(const float* q, const T* K, const T* V, float* M, float* to
     return a;
   };
   int64_t j = 0;
+  v16 kbuf[16 * ND];  // bf16 keys widened once per block of 16, not once per query head
   for (; j + 16 <= n; j += 16) {
     const T* kb = K + (j0 + j) * d;
+    if constexpr (sizeof(T) == sizeof(uint16_t)) {
+      for (int c = 0; c < 16 * ND; ++c) kbuf[c] = load16(kb + c * 16);
+    }
     for (int g = 0; g < G; ++g) {
       v16 acc[16];
-      for (int x = 0; x < 16; ++x) acc[x] = products(g, kb + x * d);
+      for (int x = 0; x < 16; ++x) {
+        if constexpr (sizeof(T) == sizeof(uint16_t)) {
+          acc[x] = qv[g][0] * kbuf[x * ND];
+          for (int c = 1; c < ND; ++c) acc[x] += qv[g][c] * kbuf[x * ND + c];
+        } else {
+          acc[x] = products(g, kb + x * d);
+        }
+      }
       store16(logit.data() + g * n + j, sum_lanes16(acc) * scale);
     }
   }

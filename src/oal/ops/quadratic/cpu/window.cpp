@@ -82,12 +82,7 @@ Block block_weights(const Segment& sg, int64_t bh, int64_t i_lo) {
         pr[j] = in ? pr[j] * sg.scale : -std::numeric_limits<float>::infinity();
         M = std::max(M, pr[j]);
       }
-      float total = 0.f;
-#pragma omp simd reduction(+ : total)
-      for (int64_t j = 0; j < L; ++j) {
-        pr[j] = exp_nonpos(pr[j] - M);  // -inf (outside E_i) gives 0
-        total += pr[j];
-      }
+      const float total = exp_shifted(pr, L, M);  // -inf (outside E_i) gives 0
       const float kern = std::isinf(lam) ? 0.f : std::exp(lam - M);  // an empty kernel set adds nothing
       const float inv = 1.f / (total + kern);
 #pragma omp simd
