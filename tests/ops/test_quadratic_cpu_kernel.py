@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -9,11 +11,19 @@ from hypothesis import strategies as st
 from test_quadratic import make_inputs, random_oal, rel_rms
 
 from oal.ops import quadratic_attention
-from oal.ops.quadratic import KernelFactor
+from oal.ops.quadratic import KernelFactor, chunk
 from oal.ops.quadratic import cpu as cpu_kernel
 
 EXT = cpu_kernel.load()
 pytestmark = pytest.mark.skipif(EXT is None, reason="the fused CPU kernel did not build (no C++ compiler?)")
+
+
+@pytest.fixture(autouse=True, params=["parallel", "chunked"])
+def fresh_segment_path(request, monkeypatch):
+    """Every test runs twice: fresh segments (no initial state) in parallel form, and in the chunked loop;
+    ``chunk.parallel_pays`` chooses between them in use."""
+    monkeypatch.setattr(chunk, "PARALLEL_COST", 0.0 if request.param == "parallel" else math.inf)
+    return request.param
 
 
 def problem(B, Hq, Hkv, N, d, dv, dtype, G=5):
@@ -221,3 +231,36 @@ def test_indefinite_kernel_without_factor_stays_on_the_torch_loop(monkeypatch):
     o, _ = quadratic_attention(q.float(), k.float(), v.float(), a.float(), b.float(), C.float(), chunk_size=16)
     ref, _ = quadratic_attention(q, k, v, a, b, C, mode="naive")
     assert rel_rms(o, ref) < 1e-4
+
+
+def test_parallel_form_is_chosen_by_its_cost_and_reached_by_the_documented_call(monkeypatch):
+    """With the measured cost, a SmolLM2-shaped fresh segment of 1000 tokens runs in parallel form and one of 3000
+    in the chunked loop; a segment with an initial state always in the loop. Outputs agree either way."""
+    monkeypatch.setattr(chunk, "PARALLEL_COST", 1.15)
+    calls = []
+    real = EXT.chunk_parallel_forward
+
+    def spy(*args):
+        calls.append(args[0].shape[2])
+        return real(*args)
+
+    monkeypatch.setattr(EXT, "chunk_parallel_forward", spy)
+    for n, parallel in ((1000, True), (3000, False)):
+        args, factor, _ = problem(1, 9, 3, n, 64, 64, torch.float32, G=3)
+        calls.clear()
+        (o, state), (o_loop, state_loop) = both(args, factor, output_final_state=True)
+        assert calls == ([n] if parallel else [])
+        assert rel_rms(o, o_loop) < 1e-6 and rel_rms(state, state_loop) < 1e-6
+        calls.clear()
+        quadratic_attention(*args, factor=factor, initial_state=state)
+        assert calls == []
+
+
+def test_channel_classes_are_the_oal_groups():
+    """For OAL's factor the classes of equal columns are the groups of Eq. 7; each channel's representative is the
+    first channel of its group, and P the most groups a head uses."""
+    groups, _, _, factor = random_oal(4, 16, G=3)
+    rep, P = chunk.channel_classes(factor.W)
+    first = torch.stack([torch.stack([(g == g[r]).int().argmax() for r in range(16)]) for g in groups])
+    assert torch.equal(rep, first)
+    assert max(len(set(g.tolist())) for g in groups) == P

@@ -320,6 +320,30 @@ class _FusedChunk(torch.autograd.Function):
         )
 
 
+def channel_classes(fw: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The channels of each query head whose factor columns ``fw[..., :, r]`` are equal: ``rep (Hq, d)`` int64, the
+    first channel of each channel's class, and the largest class count P over the heads. For OAL the classes are
+    the groups of Eq. 7 (W_m is constant on a group), so P = G."""
+    W = fw.reshape(-1, *fw.shape[-2:]).transpose(1, 2)  # (Hq, d, R)
+    same = (W[:, :, None, :] == W[:, None, :, :]).all(-1)
+    rep = same.int().argmax(-1)
+    P = int((rep == torch.arange(W.shape[1], device=W.device)).sum(-1).max())
+    return rep.contiguous(), P
+
+
+# The parallel form's cost per operation of the model below relative to the chunked loop's, measured
+# (benchmarks/parallel_crossover.py, 2 threads, SmolLM2 shapes: the two cross at n ≈ 1750, the model alone at 2035).
+PARALLEL_COST = 1.15
+
+
+def parallel_pays(n: int, d: int, dv: int, R: int, P: int) -> bool:
+    """Whether a fresh segment of ``n`` tokens is cheaper in parallel form (``chunk_parallel_forward``): per query
+    head and query, ``n / 2`` pairs of d + R·P + R + dv + 1 operations (partial scores, Eq. 7's squares, values),
+    against the state readout's D·(dv + 1) (Eq. 6) in the chunked loop; the state update is the same for both."""
+    D = 1 + d + d * (d + 1) // 2
+    return PARALLEL_COST * n / 2 * (d + R * P + R + dv + 1) < D * (dv + 1)
+
+
 def _forward_fused(
     ext,
     q,
@@ -340,11 +364,19 @@ def _forward_fused(
     """The no-grad loop in the fused C++ kernel (``cpu/chunk.cpp``; needs ``factor``).
     Returns ``(o, dens or None, final or None)`` like :func:`_forward_no_grad`."""
     f32 = torch.float32
-    canon_of_cyc, cyc_of_canon = cyclic_maps(q.shape[-1], q.device)
+    canon_of_cyc, _ = cyclic_maps(q.shape[-1], q.device)  # the kernel reads and writes canonical states
     w, fw, fc, c0 = (x.contiguous() for x in _query_coefficients(a, b, C, factor, s, f32, k.shape[1]))
-    state0 = torch.empty(0) if initial_state is None else initial_state.to(f32)[:, :, canon_of_cyc].contiguous()
     floor = -1.0 if kernel_floor is None else float(kernel_floor)
     weights = torch.empty(0) if key_weight is None else key_weight.to(f32).contiguous()
+    if initial_state is None:
+        rep, P = channel_classes(fw)
+        if parallel_pays(q.shape[2], q.shape[-1], v.shape[-1], fw.shape[2], P):
+            o, dens, final = ext.chunk_parallel_forward(
+                q.contiguous(), k.contiguous(), v.contiguous(), fw, fc, c0, rep, weights, canon_of_cyc, floor,
+                output_final_state,
+            )  # fmt: skip
+            return o, dens if return_denominator else None, final if output_final_state else None
+    state0 = torch.empty(0) if initial_state is None else initial_state.to(f32).contiguous()
     o, dens, final = ext.chunk_forward(
         q.contiguous(),
         k.contiguous(),
@@ -355,12 +387,13 @@ def _forward_fused(
         c0,
         state0,
         weights,
+        canon_of_cyc,
         floor,
         cs,
         output_final_state,
         return_denominator,
     )
-    return o, dens if return_denominator else None, final[:, :, cyc_of_canon] if output_final_state else None
+    return o, dens if return_denominator else None, final if output_final_state else None
 
 
 def _forward_no_grad(

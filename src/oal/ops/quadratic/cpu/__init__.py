@@ -1,7 +1,7 @@
-"""Fused C++ CPU kernels, compiled on first use: the chunked operator's forward and its backward, the reverse
-chunk scan (``chunk.cpp``), the in-place decode step of a converted layer (``decode.cpp``, used by
-:mod:`oal.kernels.decode`) and the exact part of the sink/window operator over a prompt with its backward
-(``window.cpp``, used by :mod:`oal.ops.sink_window.utils`).
+"""Fused C++ CPU kernels, compiled on first use: the chunked operator's forward, its parallel form for a fresh
+segment up to ~1.7k tokens and its backward, the reverse chunk scan (``chunk.cpp``), the in-place decode step of a
+converted layer (``decode.cpp``, used by :mod:`oal.kernels.decode`) and the exact part of the sink/window operator
+over a prompt with its backward (``window.cpp``, used by :mod:`oal.ops.sink_window.utils`).
 
 The torch-level chunk loop spends about as long around its two state GEMMs as in them (features, query weights,
 within-chunk squares, normalisation, each a separate pass and a Python dispatch), and MKL's sgemm reaches 60–70 %

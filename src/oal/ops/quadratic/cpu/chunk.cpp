@@ -1,5 +1,6 @@
 // Fused CPU forward of the chunked quadratic-kernel operator (the no-autograd path of ../chunk.py, and the forward of
-// its _FusedChunk), and below it the backward of that function (chunk_backward, the reverse chunk scan).
+// its _FusedChunk), below it the same outputs of a fresh segment in parallel form (parallel_forward: cheaper up to
+// ~1.7k tokens) and the backward of the chunked forward (chunk_backward, the reverse chunk scan).
 //
 // Same arithmetic as _forward_no_grad with a KernelFactor: per (batch, KV head) and chunk of n tokens
 //   num  = kern @ u  +  φ_q(Q) @ S,   den = kern @ w  +  φ_q(Q) · z      (intra-chunk part + readout, Eq. 6)
@@ -12,7 +13,7 @@
 // None of it goes through the BLAS. The two state products are nearly all the work; through the BLAS they
 // need φ_q and φ_k written out (G·n·D and n·D floats per chunk) and packed again, and on the AMD CPU we
 // measure on, MKL's sgemm reaches 60-70 % of the FMA peak (benchmarks/cpu_peak.py). Here one register-tiled
-// kernel (6 rows x 16 columns of accumulators, tile_kernel) runs every product on features generated block by
+// kernel (12 rows x 32 columns of accumulators, tile_kernel) runs every product on features generated block by
 // block into L1, and each thread owns a contiguous range of features: it keeps its slice of the state (stored as
 // 16-column panels) in its own cache, reads it out and updates it, so only the per-thread partial outputs cross
 // threads. The intra-chunk scores use the same kernel and skip the key columns that the causal mask zeroes.
@@ -23,68 +24,82 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using at::Tensor;
 
-// eight floats; aligned(4) makes loads and stores through it unaligned ones, may_alias lets it read float arrays
-typedef float vec8 __attribute__((vector_size(32), aligned(4), __may_alias__));
+// sixteen floats (one AVX-512 register); aligned(4) makes loads and stores through it unaligned ones, may_alias lets
+// it read float arrays
+typedef float vec16 __attribute__((vector_size(64), aligned(4), __may_alias__));
 
-constexpr int64_t kTile = 16;    // output columns of one kernel pass: two vec8
-constexpr int64_t kRows = 6;     // output rows of one pass: 12 accumulators + 2 panel vectors fit 16 registers
-constexpr int64_t kBlock = 256;  // features per readout block: 6 x 256 generated floats stay in L1
+constexpr int64_t kTile = 16;    // columns of one panel: one vec16
+constexpr int64_t kRows = 12;    // output rows of one pass: 12 x 2 panels = 24 accumulators + 2 panel vectors of 32
+constexpr int64_t kBlock = 256;  // features per readout block: 12 x 256 generated floats stay in L1
 
-// c[i, 0:16] += Σ_k a[i·lda + k] · b[k, 0:16] for i < MR, b a contiguous (kdim, 16) panel
-template <int MR>
-inline void tile_kernel(const float* a, int64_t lda, const float* b, int64_t kdim, float* c, int64_t ldc) {
-  vec8 acc0[MR], acc1[MR];
-#pragma GCC unroll 6
+// c0[i, 0:16] += Σ_k a[i·lda + k] · b0[k, 0:16] for i < MR, and the same for the panel pair (b1, c1) when TWO;
+// b0, b1 contiguous (kdim, 16) panels. Two panels per pass, 12 rows: 24 accumulators, one broadcast of a per two
+// FMAs (the AVX2 form with 6 x 16 tiles ran at ~108 GFLOP/s on one core here, this one at ~160).
+template <int MR, bool TWO>
+inline void tile_kernel(const float* a, int64_t lda, const float* b0, const float* b1, int64_t kdim, float* c0,
+                        float* c1, int64_t ldc) {
+  vec16 acc0[MR], acc1[TWO ? MR : 1];
+#pragma GCC unroll 12
   for (int i = 0; i < MR; ++i) {
-    acc0[i] = *reinterpret_cast<const vec8*>(c + i * ldc);
-    acc1[i] = *reinterpret_cast<const vec8*>(c + i * ldc + 8);
+    acc0[i] = *reinterpret_cast<const vec16*>(c0 + i * ldc);
+    if constexpr (TWO) acc1[i] = *reinterpret_cast<const vec16*>(c1 + i * ldc);
   }
   for (int64_t k = 0; k < kdim; ++k) {
-    const vec8 b0 = *reinterpret_cast<const vec8*>(b + k * kTile);
-    const vec8 b1 = *reinterpret_cast<const vec8*>(b + k * kTile + 8);
-#pragma GCC unroll 6
+    const vec16 p0 = *reinterpret_cast<const vec16*>(b0 + k * kTile);
+    vec16 p1{};
+    if constexpr (TWO) p1 = *reinterpret_cast<const vec16*>(b1 + k * kTile);
+#pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
       const float s = a[i * lda + k];
-      acc0[i] += s * b0;
-      acc1[i] += s * b1;
+      acc0[i] += s * p0;
+      if constexpr (TWO) acc1[i] += s * p1;
     }
   }
-#pragma GCC unroll 6
+#pragma GCC unroll 12
   for (int i = 0; i < MR; ++i) {
-    *reinterpret_cast<vec8*>(c + i * ldc) = acc0[i];
-    *reinterpret_cast<vec8*>(c + i * ldc + 8) = acc1[i];
+    *reinterpret_cast<vec16*>(c0 + i * ldc) = acc0[i];
+    if constexpr (TWO) *reinterpret_cast<vec16*>(c1 + i * ldc) = acc1[i];
   }
 }
 
-inline void tile_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t kdim, float* c,
-                      int64_t ldc) {
-  switch (rows) {
-    case 6: tile_kernel<6>(a, lda, b, kdim, c, ldc); break;
-    case 5: tile_kernel<5>(a, lda, b, kdim, c, ldc); break;
-    case 4: tile_kernel<4>(a, lda, b, kdim, c, ldc); break;
-    case 3: tile_kernel<3>(a, lda, b, kdim, c, ldc); break;
-    case 2: tile_kernel<2>(a, lda, b, kdim, c, ldc); break;
-    default: tile_kernel<1>(a, lda, b, kdim, c, ldc); break;
+template <int MR>
+void tile_pair(bool two, const float* a, int64_t lda, const float* b0, const float* b1, int64_t kdim, float* c0,
+               float* c1, int64_t ldc) {
+  if (two) {
+    tile_kernel<MR, true>(a, lda, b0, b1, kdim, c0, c1, ldc);
+  } else {
+    tile_kernel<MR, false>(a, lda, b0, b1, kdim, c0, c1, ldc);
   }
+}
+
+// c (rows, tiles panels) += a (rows, kdim) · b (kdim, tiles panels) for rows ≤ kRows: panel t of b at b + t·bstride,
+// of c at c + t·cstride (row stride ldc)
+inline void tile_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t bstride, int64_t kdim,
+                      float* c, int64_t cstride, int64_t ldc, int64_t tiles) {
+  using Fn = void (*)(bool, const float*, int64_t, const float*, const float*, int64_t, float*, float*, int64_t);
+  static constexpr Fn by_rows[kRows] = {tile_pair<1>, tile_pair<2>, tile_pair<3>, tile_pair<4>,
+                                        tile_pair<5>, tile_pair<6>, tile_pair<7>, tile_pair<8>,
+                                        tile_pair<9>, tile_pair<10>, tile_pair<11>, tile_pair<12>};
+  const Fn f = by_rows[std::clamp<int64_t>(rows, 1, kRows) - 1];
+  for (int64_t t = 0; t < tiles; t += 2)
+    f(t + 1 < tiles, a, lda, b + t * bstride, b + (t + 1) * bstride, kdim, c + t * cstride, c + (t + 1) * cstride,
+      ldc);
 }
 
 // Σ_t a[t] · b[t], vectorised (a plain float reduction is not, without reassociation)
 inline float dot(const float* a, const float* b, int64_t n) {
-  vec8 acc0 = {}, acc1 = {};
+  vec16 acc = {};
   int64_t t = 0;
-  for (; t + 16 <= n; t += 16) {
-    acc0 += *reinterpret_cast<const vec8*>(a + t) * *reinterpret_cast<const vec8*>(b + t);
-    acc1 += *reinterpret_cast<const vec8*>(a + t + 8) * *reinterpret_cast<const vec8*>(b + t + 8);
-  }
-  acc0 += acc1;
+  for (; t + 16 <= n; t += 16) acc += *reinterpret_cast<const vec16*>(a + t) * *reinterpret_cast<const vec16*>(b + t);
   float total = 0.f;
-  for (int l = 0; l < 8; ++l) total += acc0[l];
+  for (int l = 0; l < 16; ++l) total += acc[l];
   for (; t < n; ++t) total += a[t] * b[t];
   return total;
 }
@@ -98,11 +113,20 @@ inline void pair_features(const T* y, const T* w, int64_t P, int64_t fa, int64_t
     const T yr = y[r];
     const T* ys = y + r + delta;
     T* dst = out + (f - fa);
+    int64_t t = 0;
+    if constexpr (std::is_same_v<T, float>) {  // 16 lanes at a time: the runs are ≤ P = e/2 + 1 long
+      const vec16 yv = vec16{} + yr;
+      for (; t + 16 <= len; t += 16) {
+        vec16 x = yv * *reinterpret_cast<const vec16*>(ys + t);
+        if (w) x *= *reinterpret_cast<const vec16*>(w + f + t);
+        *reinterpret_cast<vec16*>(dst + t) = x;
+      }
+    }
     if (w) {
       const T* wf = w + f;
-      for (int64_t t = 0; t < len; ++t) dst[t] = yr * ys[t] * wf[t];
+      for (; t < len; ++t) dst[t] = yr * ys[t] * wf[t];
     } else {
-      for (int64_t t = 0; t < len; ++t) dst[t] = yr * ys[t];
+      for (; t < len; ++t) dst[t] = yr * ys[t];
     }
     f += len;
   }
@@ -111,18 +135,22 @@ inline void pair_features(const T* y, const T* w, int64_t P, int64_t fa, int64_t
 template <typename T>
 std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& fw,
                             const Tensor& fc, const Tensor& c0, const Tensor& state0, const Tensor& key_weight,
-                            double kernel_floor, int64_t chunk, bool want_final, bool want_dens) {
+                            const Tensor& canon_of_cyc, double kernel_floor, int64_t chunk, bool want_final,
+                            bool want_dens) {
   const int64_t B = q.size(0), Hq = q.size(1), N = q.size(2), d = q.size(3);
   const int64_t Hkv = k.size(1), dv = v.size(3), G = Hq / Hkv, e = d + 1, e2 = 2 * e, P = e / 2 + 1, Dc = e * P;
   const int64_t R = fc.size(2), cs = std::min(chunk, N), one_row = d * P;
   const int64_t tiles = (dv + kTile - 1) / kTile, dvp = tiles * kTile;  // value columns padded to whole panels
-  // one feature range per thread, each at least four 6-feature update blocks long
+  // one feature range per thread, each at least four kRows-feature update blocks long
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), Dc / (4 * kRows)));
   const auto f32 = q.options().dtype(at::kFloat);
 
   Tensor o = at::empty({B, Hq, N, dv}, q.options());
   Tensor dens = want_dens ? at::empty({B, Hkv, G, N}, f32) : at::empty({0}, f32);
-  Tensor finals = want_final ? at::empty({B, Hkv, Dc, dv + 1}, f32) : at::empty({0}, f32);
+  // canonical rows D = 1 + d + d(d+1)/2: the cyclic layout's Dc for even d; for odd d it holds d/2 + 1 pairs twice
+  // (identical rows), each written to its one canonical row
+  const int64_t D = 1 + d + d * (d + 1) / 2;
+  Tensor finals = want_final ? at::empty({B, Hkv, D, dv + 1}, f32) : at::empty({0}, f32);
   // state: S as `tiles` panels (Dc, 16), then z (Dc)
   Tensor state_t = at::empty({tiles * Dc * kTile + Dc}, f32);
   Tensor yq_t = at::empty({G * cs * e2}, f32), ykt_t = at::empty({e2 * cs}, f32);
@@ -142,16 +170,21 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
   float* DENS = want_dens ? dens.data_ptr<float>() : nullptr;
   const bool floored = kernel_floor >= 0, weighted = key_weight.numel() > 0;
   const float* KW = weighted ? key_weight.data_ptr<float>() : nullptr;
+  TORCH_CHECK(canon_of_cyc.scalar_type() == at::kLong && canon_of_cyc.numel() == Dc && canon_of_cyc.is_contiguous(),
+              "canon_of_cyc: expected ", Dc, " contiguous int64 rows");
+  const int64_t* canon = canon_of_cyc.data_ptr<int64_t>();  // the initial and final states' rows are canonical
+  TORCH_CHECK(state0.numel() == 0 || state0.numel() == B * Hkv * D * (dv + 1), "state0: expected (B, Hkv, ", D, ", ",
+              dv + 1, ") or empty");
   std::vector<float> ones(cs, 1.f), counts(cs);
 
   for (int64_t bh = 0; bh < B * Hkv; ++bh) {
     const int64_t bi = bh / Hkv, h = bh % Hkv;
     if (state0.numel()) {
-      const float* s0 = state0.data_ptr<float>() + bh * Dc * (dv + 1);
+      const float* s0 = state0.data_ptr<float>() + bh * D * (dv + 1);
       for (int64_t f = 0; f < Dc; ++f) {
-        for (int64_t c = 0; c < dvp; ++c)
-          S[(c / kTile * Dc + f) * kTile + c % kTile] = c < dv ? s0[f * (dv + 1) + c] : 0.f;
-        Z[f] = s0[f * (dv + 1) + dv];
+        const float* row = s0 + canon[f] * (dv + 1);
+        for (int64_t c = 0; c < dvp; ++c) S[(c / kTile * Dc + f) * kTile + c % kTile] = c < dv ? row[c] : 0.f;
+        Z[f] = row[dv];
       }
     } else {
       std::fill(S, S + tiles * Dc * kTile + Dc, 0.f);
@@ -195,7 +228,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
           }
         }
       });
-      // intra-chunk part six rows at a time: z_m = [scale·W_m ⊙ q_i, c_m] · [k_j, 1] through the tile kernel, only
+      // intra-chunk part kRows rows at a time: z_m = [scale·W_m ⊙ q_i, c_m] · [k_j, 1] through the tile kernel, only
       // over the key columns the block's causal rows reach; kern = c0 + Σ_m z_m² on j ≤ i (Eq. 7); num = kern @ v
       at::parallel_for(0, (rows + kRows - 1) / kRows, 1, [&](int64_t lo, int64_t hi) {
         std::vector<float> buf(kRows * (e + 2 * np));
@@ -216,7 +249,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
               out[d] = fch[gm];
             }
             std::fill(zb, zb + mr * np, 0.f);
-            for (int64_t t = 0; t < wt; ++t) tile_rows(mr, qwb, e, ykp + t * e * kTile, e, zb + t * kTile, np);
+            tile_rows(mr, qwb, e, ykp, e * kTile, e, zb, kTile, np, wt);
             for (int64_t a = 0; a < mr; ++a) {
               const int64_t i = (r0 + a) % n;
               const float* zr = zb + a * np;
@@ -232,8 +265,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
           }
           float* nr = num + r0 * dvp;
           std::fill(nr, nr + mr * dvp, 0.f);
-          for (int64_t t = 0; t < tiles; ++t)
-            tile_rows(mr, kb, np, ut + t * n * kTile, width, nr + t * kTile, dvp);
+          tile_rows(mr, kb, np, ut, n * kTile, width, nr, kTile, dvp, tiles);
         }
       });
       // readout of the state before this chunk, then its update, each thread on its own feature range
@@ -253,8 +285,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
                 pair_features(yq + (r0 + i) * e2, wh + (r0 + i) / n * Dc, P, f0, f0 + kb, a);
                 dpart[r0 + i] += dot(a, Z + f0, kb);
               }
-              for (int64_t t = 0; t < tiles; ++t)
-                tile_rows(mr, blk, kb, S + (t * Dc + f0) * kTile, kb, part + r0 * dvp + t * kTile, dvp);
+              tile_rows(mr, blk, kb, S + f0 * kTile, Dc * kTile, kb, part + r0 * dvp, kTile, dvp, tiles);
             }
           }
           for (int64_t f0 = fa; f0 < fb; f0 += kRows) {
@@ -266,8 +297,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
               for (int64_t j = 0; j < n; ++j) a[j] = ya[j] * yb[j];
               Z[f] += dot(a, wk, n);
             }
-            for (int64_t t = 0; t < tiles; ++t)
-              tile_rows(mr, blk, n, ut + t * n * kTile, n, S + (t * Dc + f0) * kTile, kTile);
+            tile_rows(mr, blk, n, ut, n * kTile, n, S + f0 * kTile, Dc * kTile, kTile, tiles);
           }
         }
       });
@@ -292,10 +322,11 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
       });
     }
     if (want_final) {
-      float* fin = finals.data_ptr<float>() + bh * Dc * (dv + 1);
+      float* fin = finals.data_ptr<float>() + bh * D * (dv + 1);
       for (int64_t f = 0; f < Dc; ++f) {
-        for (int64_t c = 0; c < dv; ++c) fin[f * (dv + 1) + c] = S[(c / kTile * Dc + f) * kTile + c % kTile];
-        fin[f * (dv + 1) + dv] = Z[f];
+        float* row = fin + canon[f] * (dv + 1);
+        for (int64_t c = 0; c < dv; ++c) row[c] = S[(c / kTile * Dc + f) * kTile + c % kTile];
+        row[dv] = Z[f];
       }
     }
   }
@@ -595,6 +626,188 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
   return {dq, dk, dvt, dw, dfw, dfc, dc0, dstate0, dkw};
 }
 
+
+// forward's outputs (o, dens) for a segment without an initial state, in parallel form: per query head
+//   num_i = Σ_{j ≤ i} κ_ij ω_j [v_j, 1],   κ_ij = c0 + Σ_m z_m²,   z_m = c_m + Σ_p A_mp s_p,   s_p = Σ_{r ∈ p} q_ir k_jr
+// where the channels r of a query head fall into the classes p of equal columns of scale·W (fw[m, r] = A_mp): for
+// OAL the P = G groups of Eq. 7 (Eq. 6 reads s̄ = [1, s_1 … s_G]), so the partial scores cost one d-long product
+// per pair, where the factor form of the intra-chunk part spends R of them. Per pair and query head that is
+// d + R·P + R + dv + 1 operations, against D (dv + 1) per query for the state readout: cheaper up to N ≈ 2000 for
+// SmolLM2's shapes (the caller decides, chunk.py). The final state (Eq. 5 over the segment) is one product per
+// block of kRows features over all N keys: S_f = Σ_j φ_f(k_j) ω_j [v_j, 1], in forward's cyclic feature order.
+// rep (Hq, d) int64: for each channel the first channel with the same column (its class representative).
+template <typename T>
+std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& fw,
+                                     const Tensor& fc, const Tensor& c0, const Tensor& rep, const Tensor& key_weight,
+                                     const Tensor& canon_of_cyc, double kernel_floor, bool want_final) {
+  const int64_t B = q.size(0), Hq = q.size(1), N = q.size(2), d = q.size(3);
+  const int64_t Hkv = k.size(1), dv = v.size(3), G = Hq / Hkv, R = fc.size(2);
+  const int64_t tiles = (dv + kTile - 1) / kTile, dvp = tiles * kTile, Np = (N + kTile - 1) / kTile * kTile;
+  const auto f32 = q.options().dtype(at::kFloat);
+  TORCH_CHECK(rep.scalar_type() == at::kLong && rep.is_contiguous() && rep.numel() == Hq * d,
+              "rep: expected (Hq, d) contiguous int64 class representatives");
+  const bool floored = kernel_floor >= 0, weighted = key_weight.numel() > 0;
+  const T *Q = q.data_ptr<T>(), *K = k.data_ptr<T>(), *V = v.data_ptr<T>();
+  const float *FW = fw.data_ptr<float>(), *FC = fc.data_ptr<float>(), *C0 = c0.data_ptr<float>();
+  const int64_t* REP = rep.data_ptr<int64_t>();
+  const float* KW = weighted ? key_weight.data_ptr<float>() : nullptr;
+  Tensor o = at::empty({B, Hq, N, dv}, q.options());
+  Tensor dens = at::empty({B, Hkv, G, N}, f32);
+  T* O = o.data_ptr<T>();
+  float* DENS = dens.data_ptr<float>();
+
+  // per query head: channel order by class, class offsets and A (R, P); per (batch, query head): q in that order
+  // (N, d) and k in that order as 16-key panels (d, 16); per (batch, KV head): ω v as 16-column panels, ω, counts
+  std::vector<int64_t> perm(Hq * d), off(Hq * (d + 1)), classes(Hq);
+  std::vector<float> A(Hq * R * d);
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    const int64_t* rp = REP + hq * d;
+    int64_t P = 0, c = 0;
+    for (int64_t r = 0; r < d; ++r) {
+      if (rp[r] != r) continue;  // r represents its class: collect its members
+      off[hq * (d + 1) + P] = c;
+      for (int64_t m = 0; m < R; ++m) A[(hq * R + m) * d + P] = FW[(hq * R + m) * d + r];
+      for (int64_t t = r; t < d; ++t)
+        if (rp[t] == r) perm[hq * d + c++] = t;
+      ++P;
+    }
+    TORCH_CHECK(c == d, "rep: every channel's representative must be a channel representing itself");
+    off[hq * (d + 1) + P] = d;
+    classes[hq] = P;
+  }
+  std::vector<float> qc(B * Hq * N * d), kp(B * Hq * Np * d, 0.f), up(B * Hkv * tiles * Np * kTile, 0.f);
+  std::vector<float> om(B * Hkv * Np, 0.f), counts(B * Hkv * N);
+  at::parallel_for(0, B * Hq, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bq = lo; bq < hi; ++bq) {
+      const int64_t hq = bq % Hq, bh = bq / Hq * Hkv + hq / G;
+      const int64_t* pm = perm.data() + hq * d;
+      const T* qs = Q + bq * N * d;
+      const T* ks = K + bh * N * d;
+      float* qd = qc.data() + bq * N * d;
+      float* kd = kp.data() + bq * Np * d;
+      for (int64_t i = 0; i < N; ++i)
+        for (int64_t c = 0; c < d; ++c) {
+          qd[i * d + c] = static_cast<float>(qs[i * d + pm[c]]);
+          kd[(i / kTile * d + c) * kTile + i % kTile] = static_cast<float>(ks[i * d + pm[c]]);
+        }
+    }
+  });
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const T* vs = V + bh * N * dv;
+      float* ud = up.data() + bh * tiles * Np * kTile;
+      float* wd = om.data() + bh * Np;
+      double seen = 0;
+      for (int64_t j = 0; j < N; ++j) {
+        wd[j] = weighted ? KW[bh * N + j] : 1.f;
+        counts[bh * N + j] = static_cast<float>(seen += wd[j]);
+        for (int64_t c = 0; c < dv; ++c) ud[(c / kTile * Np + j) * kTile + c % kTile] = wd[j] * static_cast<float>(vs[j * dv + c]);
+      }
+    }
+  });
+  // tasks: (batch, query head, block of kRows queries), each head's blocks in the order first, last, second, …
+  // so that any contiguous range of tasks (one thread's share) holds long and short blocks alike
+  const int64_t nb = (N + kRows - 1) / kRows;
+  at::parallel_for(0, B * Hq * nb, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> sc, kap, num(kRows * dvp);
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t bq = task / nb, x = task % nb, blk = x % 2 ? nb - 1 - x / 2 : x / 2;
+      const int64_t hq = bq % Hq, h = hq / G, g = hq % G, bh = bq / Hq * Hkv + h;
+      const int64_t i0 = blk * kRows, i1 = std::min(N, i0 + kRows), mr = i1 - i0;
+      const int64_t wt = (i1 + kTile - 1) / kTile, npad = wt * kTile, P = classes[hq];
+      const int64_t* of = off.data() + hq * (d + 1);
+      sc.assign(P * mr * npad, 0.f);
+      kap.resize(mr * npad);
+      const float* qd = qc.data() + (bq * N + i0) * d;
+      const float* kd = kp.data() + bq * Np * d;
+      for (int64_t p = 0; p < P; ++p)  // partial scores s_p of the block's rows against keys 0 … i1-1
+        tile_rows(mr, qd + of[p], d, kd + of[p] * kTile, d * kTile, of[p + 1] - of[p], sc.data() + p * mr * npad,
+                  kTile, npad, wt);
+      const float* Ah = A.data() + hq * R * d;
+      const float* ch = FC + hq * R;
+      const float cz = C0[hq];
+      for (int64_t a = 0; a < mr; ++a) {
+        const int64_t i = i0 + a;
+        float* kr = kap.data() + a * npad;
+        for (int64_t j = 0; j < npad; j += 16) {
+          vec16 kv = {};
+          if (j <= i) {
+            kv += cz;
+            for (int64_t m = 0; m < R; ++m) {
+              vec16 z = vec16{} + ch[m];
+              for (int64_t p = 0; p < P; ++p)
+                z += Ah[m * d + p] * *reinterpret_cast<const vec16*>(sc.data() + (p * mr + a) * npad + j);
+              kv += z * z;
+            }
+            for (int64_t l = i + 1 - j; l < 16; ++l) kv[l] = 0.f;  // causal: keys after i weigh nothing
+          }
+          *reinterpret_cast<vec16*>(kr + j) = kv;
+        }
+      }
+      std::fill(num.begin(), num.begin() + mr * dvp, 0.f);
+      tile_rows(mr, kap.data(), npad, up.data() + bh * tiles * Np * kTile, Np * kTile, i1, num.data(), kTile, dvp,
+                tiles);
+      const float* wd = om.data() + bh * Np;
+      for (int64_t a = 0; a < mr; ++a) {
+        const int64_t i = i0 + a;
+        const float cnt = counts[bh * N + i];
+        float dn = dot(kap.data() + a * npad, wd, i + 1);
+        if (floored) dn = std::max(dn, cnt * static_cast<float>(kernel_floor));
+        DENS[(bh * G + g) * N + i] = dn;
+        if (weighted && cnt <= 0.f) dn = 1.f;  // no key with weight > 0 yet: output 0, not 0/0
+        T* orow = O + (bq * N + i) * dv;
+        for (int64_t c = 0; c < dv; ++c) orow[c] = static_cast<T>(num[a * dvp + c] / dn);
+      }
+    }
+  });
+  Tensor final = at::empty({0}, f32);
+  if (want_final) {
+    const int64_t e = d + 1, P = e / 2 + 1, Dc = e * P, D = 1 + d + d * (d + 1) / 2;
+    TORCH_CHECK(canon_of_cyc.scalar_type() == at::kLong && canon_of_cyc.numel() == Dc && canon_of_cyc.is_contiguous(),
+                "canon_of_cyc: expected ", Dc, " contiguous int64 rows");
+    const int64_t* canon = canon_of_cyc.data_ptr<int64_t>();
+    final = at::empty({B, Hkv, D, dv + 1}, f32);
+    float* FIN = final.data_ptr<float>();
+    // doubled [k, 1] per KV head, token-contiguous: yk[r·N + j], r < 2e
+    std::vector<float> yk(B * Hkv * 2 * e * N);
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t bh = lo; bh < hi; ++bh) {
+        float* y = yk.data() + bh * 2 * e * N;
+        const T* ks = K + bh * N * d;
+        for (int64_t j = 0; j < N; ++j) {
+          for (int64_t r = 0; r < d; ++r) y[r * N + j] = y[(r + e) * N + j] = static_cast<float>(ks[j * d + r]);
+          y[d * N + j] = y[(d + e) * N + j] = 1.f;
+        }
+      }
+    });
+    const int64_t fb = (Dc + kRows - 1) / kRows;
+    at::parallel_for(0, B * Hkv * fb, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> blk(kRows * N), acc(kRows * dvp);
+      for (int64_t task = lo; task < hi; ++task) {
+        const int64_t bh = task / fb, f0 = task % fb * kRows, mr = std::min(kRows, Dc - f0);
+        const float* y = yk.data() + bh * 2 * e * N;
+        const float* wd = om.data() + bh * Np;
+        float* fin = FIN + bh * D * (dv + 1);
+        for (int64_t a = 0; a < mr; ++a) {
+          const int64_t f = f0 + a, r = f / P;
+          const float *ya = y + r * N, *yb = y + (r + f - r * P) * N;
+          float* x = blk.data() + a * N;
+          for (int64_t j = 0; j < N; ++j) x[j] = ya[j] * yb[j];
+        }
+        std::fill(acc.begin(), acc.begin() + mr * dvp, 0.f);
+        tile_rows(mr, blk.data(), N, up.data() + bh * tiles * Np * kTile, Np * kTile, N, acc.data(), kTile, dvp,
+                  tiles);
+        for (int64_t a = 0; a < mr; ++a) {  // odd d: a pair listed twice writes its one canonical row twice, alike
+          float* row = fin + canon[f0 + a] * (dv + 1);
+          for (int64_t c = 0; c < dv; ++c) row[c] = acc[a * dvp + c];
+          row[dv] = dot(blk.data() + a * N, wd, N);
+        }
+      }
+    });
+  }
+  return {o, dens, final};
+}
+
 }  // namespace
 
 // q (B, Hq, N, d), k (B, Hkv, N, d), v (B, Hkv, N, dv): contiguous, one dtype among fp32 / bf16 / fp16.
@@ -604,15 +817,32 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
 // Returns [o (q's dtype), dens (B, Hkv, G, N) or empty, final state (cyclic layout) or empty].
 std::vector<Tensor> chunk_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& fw,
                                   const Tensor& fc, const Tensor& c0, const Tensor& state0,
-                                  const Tensor& key_weight, double kernel_floor, int64_t chunk, bool want_final,
-                                  bool want_dens) {
+                                  const Tensor& key_weight, const Tensor& canon_of_cyc, double kernel_floor,
+                                  int64_t chunk, bool want_final, bool want_dens) {
   std::vector<Tensor> out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "oal_chunk_forward", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "q: the fused CPU kernel computes in fp32; fp64 inputs use the torch path");
     } else {
-      out = forward<scalar_t>(q, k, v, w, fw, fc, c0, state0, key_weight, kernel_floor, chunk, want_final,
-                              want_dens);
+      out = forward<scalar_t>(q, k, v, w, fw, fc, c0, state0, key_weight, canon_of_cyc, kernel_floor, chunk,
+                              want_final, want_dens);
+    }
+  });
+  return out;
+}
+
+// parallel_forward (above) for fp32 / bf16 / fp16 inputs: returns [o, dens, final (B, Hkv, D, dv+1) canonical, or
+// empty]
+std::vector<Tensor> chunk_parallel_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& fw,
+                                           const Tensor& fc, const Tensor& c0, const Tensor& rep,
+                                           const Tensor& key_weight, const Tensor& canon_of_cyc, double kernel_floor,
+                                           bool want_final) {
+  std::vector<Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "oal_chunk_parallel_forward", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "q: the fused CPU kernel computes in fp32; fp64 inputs use the torch path");
+    } else {
+      out = parallel_forward<scalar_t>(q, k, v, fw, fc, c0, rep, key_weight, canon_of_cyc, kernel_floor, want_final);
     }
   });
   return out;
@@ -639,6 +869,7 @@ std::vector<Tensor> chunk_backward(const Tensor& q, const Tensor& k, const Tenso
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("chunk_parallel_forward", &chunk_parallel_forward, "Parallel-form forward of a fresh segment, and its final state");
   m.def("chunk_forward", &chunk_forward, "Fused CPU forward of the chunked quadratic-kernel operator");
   m.def("chunk_backward", &chunk_backward, "Reverse chunk scan: gradients of chunk_forward's outputs");
 }
