@@ -35,13 +35,18 @@ using at::Tensor;
 // it read float arrays
 typedef float vec16 __attribute__((vector_size(64), aligned(4), __may_alias__));
 
-constexpr int64_t kTile = 16;    // columns of one panel: one vec16
-constexpr int64_t kRows = 12;    // output rows of one pass: 12 x 2 panels = 24 accumulators + 2 panel vectors of 32
-constexpr int64_t kBlock = 256;  // features per readout block: 12 x 256 generated floats stay in L1
+constexpr int64_t kTile = 16;  // columns of one panel: one vec16
+#if defined(__AVX512F__)
+constexpr int64_t kRows = 12;  // output rows of one pass: 12 x 2 panels = 24 accumulators + 2 panel vectors of 32
+#else
+constexpr int64_t kRows = 6;  // AVX2: 6 rows x 1 panel = 12 accumulators (two 8-lane halves each) + 2 of 16
+#endif
+constexpr int64_t kBlock = 256;  // features per readout block: kRows x 256 generated floats stay in L1
 
 // c0[i, 0:16] += Σ_k a[i·lda + k] · b0[k, 0:16] for i < MR, and the same for the panel pair (b1, c1) when TWO;
-// b0, b1 contiguous (kdim, 16) panels. Two panels per pass, 12 rows: 24 accumulators, one broadcast of a per two
-// FMAs (the AVX2 form with 6 x 16 tiles ran at ~108 GFLOP/s on one core here, this one at ~160).
+// b0, b1 contiguous (kdim, 16) panels. With AVX-512, two panels per pass and 12 rows: 24 accumulators, one
+// broadcast of a per two FMAs (6 rows x 1 panel in 8-lane halves, the AVX2 form, ran at ~108 GFLOP/s on one core
+// of the AVX-512 machine we measure on, this one at ~160).
 template <int MR, bool TWO>
 inline void tile_kernel(const float* a, int64_t lda, const float* b0, const float* b1, int64_t kdim, float* c0,
                         float* c1, int64_t ldc) {
@@ -80,17 +85,24 @@ void tile_pair(bool two, const float* a, int64_t lda, const float* b0, const flo
 }
 
 // c (rows, tiles panels) += a (rows, kdim) · b (kdim, tiles panels) for rows ≤ kRows: panel t of b at b + t·bstride,
-// of c at c + t·cstride (row stride ldc)
+// of c at c + t·cstride (row stride ldc). Without AVX-512 (16 vector registers) one panel per pass.
 inline void tile_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t bstride, int64_t kdim,
                       float* c, int64_t cstride, int64_t ldc, int64_t tiles) {
   using Fn = void (*)(bool, const float*, int64_t, const float*, const float*, int64_t, float*, float*, int64_t);
+#if defined(__AVX512F__)
   static constexpr Fn by_rows[kRows] = {tile_pair<1>, tile_pair<2>, tile_pair<3>, tile_pair<4>,
                                         tile_pair<5>, tile_pair<6>, tile_pair<7>, tile_pair<8>,
                                         tile_pair<9>, tile_pair<10>, tile_pair<11>, tile_pair<12>};
+  constexpr int64_t step = 2;
+#else
+  static constexpr Fn by_rows[kRows] = {tile_pair<1>, tile_pair<2>, tile_pair<3>,
+                                        tile_pair<4>, tile_pair<5>, tile_pair<6>};
+  constexpr int64_t step = 1;
+#endif
   const Fn f = by_rows[std::clamp<int64_t>(rows, 1, kRows) - 1];
-  for (int64_t t = 0; t < tiles; t += 2)
-    f(t + 1 < tiles, a, lda, b + t * bstride, b + (t + 1) * bstride, kdim, c + t * cstride, c + (t + 1) * cstride,
-      ldc);
+  for (int64_t t = 0; t < tiles; t += step)
+    f(step == 2 && t + 1 < tiles, a, lda, b + t * bstride, b + (t + 1) * bstride, kdim, c + t * cstride,
+      c + (t + 1) * cstride, ldc);
 }
 
 // Σ_t a[t] · b[t], vectorised (a plain float reduction is not, without reassociation)
