@@ -47,14 +47,14 @@ constexpr int64_t kBlock = 256;  // features per readout block: kRows x 256 gene
 // b0, b1 contiguous (kdim, 16) panels. With AVX-512, two panels per pass and 12 rows: 24 accumulators, one
 // broadcast of a per two FMAs (6 rows x 1 panel in 8-lane halves, the AVX2 form, ran at ~108 GFLOP/s on one core
 // of the AVX-512 machine we measure on, this one at ~160).
-template <int MR, bool TWO>
+template <int MR, bool TWO, bool ADD>
 inline void tile_kernel(const float* a, int64_t lda, const float* b0, const float* b1, int64_t kdim, float* c0,
                         float* c1, int64_t ldc) {
   vec16 acc0[MR], acc1[TWO ? MR : 1];
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i) {
-    acc0[i] = *reinterpret_cast<const vec16*>(c0 + i * ldc);
-    if constexpr (TWO) acc1[i] = *reinterpret_cast<const vec16*>(c1 + i * ldc);
+    acc0[i] = ADD ? *reinterpret_cast<const vec16*>(c0 + i * ldc) : vec16{};
+    if constexpr (TWO) acc1[i] = ADD ? *reinterpret_cast<const vec16*>(c1 + i * ldc) : vec16{};
   }
   for (int64_t k = 0; k < kdim; ++k) {
     const vec16 p0 = *reinterpret_cast<const vec16*>(b0 + k * kTile);
@@ -74,32 +74,40 @@ inline void tile_kernel(const float* a, int64_t lda, const float* b0, const floa
   }
 }
 
-template <int MR>
+template <int MR, bool ADD>
 void tile_pair(bool two, const float* a, int64_t lda, const float* b0, const float* b1, int64_t kdim, float* c0,
                float* c1, int64_t ldc) {
   if (two) {
-    tile_kernel<MR, true>(a, lda, b0, b1, kdim, c0, c1, ldc);
+    tile_kernel<MR, true, ADD>(a, lda, b0, b1, kdim, c0, c1, ldc);
   } else {
-    tile_kernel<MR, false>(a, lda, b0, b1, kdim, c0, c1, ldc);
+    tile_kernel<MR, false, ADD>(a, lda, b0, b1, kdim, c0, c1, ldc);
   }
 }
 
-// c (rows, tiles panels) += a (rows, kdim) · b (kdim, tiles panels) for rows ≤ kRows: panel t of b at b + t·bstride,
-// of c at c + t·cstride (row stride ldc). Without AVX-512 (16 vector registers) one panel per pass.
+// c (rows, tiles panels) += a (rows, kdim) · b (kdim, tiles panels) for rows ≤ kRows (c = … with add false: no
+// zeroing pass first): panel t of b at b + t·bstride, of c at c + t·cstride (row stride ldc). Without AVX-512
+// (16 vector registers) one panel per pass.
 inline void tile_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t bstride, int64_t kdim,
-                      float* c, int64_t cstride, int64_t ldc, int64_t tiles) {
+                      float* c, int64_t cstride, int64_t ldc, int64_t tiles, bool add = true) {
   using Fn = void (*)(bool, const float*, int64_t, const float*, const float*, int64_t, float*, float*, int64_t);
 #if defined(__AVX512F__)
-  static constexpr Fn by_rows[kRows] = {tile_pair<1>, tile_pair<2>, tile_pair<3>, tile_pair<4>,
-                                        tile_pair<5>, tile_pair<6>, tile_pair<7>, tile_pair<8>,
-                                        tile_pair<9>, tile_pair<10>, tile_pair<11>, tile_pair<12>};
+  static constexpr Fn by_rows[2][kRows] = {
+      {tile_pair<1, false>, tile_pair<2, false>, tile_pair<3, false>, tile_pair<4, false>, tile_pair<5, false>,
+       tile_pair<6, false>, tile_pair<7, false>, tile_pair<8, false>, tile_pair<9, false>, tile_pair<10, false>,
+       tile_pair<11, false>, tile_pair<12, false>},
+      {tile_pair<1, true>, tile_pair<2, true>, tile_pair<3, true>, tile_pair<4, true>, tile_pair<5, true>,
+       tile_pair<6, true>, tile_pair<7, true>, tile_pair<8, true>, tile_pair<9, true>, tile_pair<10, true>,
+       tile_pair<11, true>, tile_pair<12, true>}};
   constexpr int64_t step = 2;
 #else
-  static constexpr Fn by_rows[kRows] = {tile_pair<1>, tile_pair<2>, tile_pair<3>,
-                                        tile_pair<4>, tile_pair<5>, tile_pair<6>};
+  static constexpr Fn by_rows[2][kRows] = {
+      {tile_pair<1, false>, tile_pair<2, false>, tile_pair<3, false>, tile_pair<4, false>, tile_pair<5, false>,
+       tile_pair<6, false>},
+      {tile_pair<1, true>, tile_pair<2, true>, tile_pair<3, true>, tile_pair<4, true>, tile_pair<5, true>,
+       tile_pair<6, true>}};
   constexpr int64_t step = 1;
 #endif
-  const Fn f = by_rows[std::clamp<int64_t>(rows, 1, kRows) - 1];
+  const Fn f = by_rows[add][std::clamp<int64_t>(rows, 1, kRows) - 1];
   for (int64_t t = 0; t < tiles; t += step)
     f(step == 2 && t + 1 < tiles, a, lda, b + t * bstride, b + (t + 1) * bstride, kdim, c + t * cstride,
       c + (t + 1) * cstride, ldc);
@@ -260,8 +268,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
               for (int64_t r = 0; r < d; ++r) out[r] = y[r] * f[r];
               out[d] = fch[gm];
             }
-            std::fill(zb, zb + mr * np, 0.f);
-            tile_rows(mr, qwb, e, ykp, e * kTile, e, zb, kTile, np, wt);
+            tile_rows(mr, qwb, e, ykp, e * kTile, e, zb, kTile, np, wt, false);
             for (int64_t a = 0; a < mr; ++a) {
               const int64_t i = (r0 + a) % n;
               const float* zr = zb + a * np;
@@ -275,9 +282,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
             for (int64_t j = 0; j <= (r0 + a) % n; ++j) kr[j] += c;
             den[r0 + a] = dot(kr, wk, (r0 + a) % n + 1);
           }
-          float* nr = num + r0 * dvp;
-          std::fill(nr, nr + mr * dvp, 0.f);
-          tile_rows(mr, kb, np, ut, n * kTile, width, nr, kTile, dvp, tiles);
+          tile_rows(mr, kb, np, ut, n * kTile, width, num + r0 * dvp, kTile, dvp, tiles, false);
         }
       });
       // readout of the state before this chunk, then its update, each thread on its own feature range
@@ -728,13 +733,13 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
       const int64_t i0 = blk * kRows, i1 = std::min(N, i0 + kRows), mr = i1 - i0;
       const int64_t wt = (i1 + kTile - 1) / kTile, npad = wt * kTile, P = classes[hq];
       const int64_t* of = off.data() + hq * (d + 1);
-      sc.assign(P * mr * npad, 0.f);
+      sc.resize(P * mr * npad);
       kap.resize(mr * npad);
       const float* qd = qc.data() + (bq * N + i0) * d;
       const float* kd = kp.data() + bq * Np * d;
       for (int64_t p = 0; p < P; ++p)  // partial scores s_p of the block's rows against keys 0 … i1-1
         tile_rows(mr, qd + of[p], d, kd + of[p] * kTile, d * kTile, of[p + 1] - of[p], sc.data() + p * mr * npad,
-                  kTile, npad, wt);
+                  kTile, npad, wt, false);
       const float* Ah = A.data() + hq * R * d;
       const float* ch = FC + hq * R;
       const float cz = C0[hq];
@@ -756,9 +761,8 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
           *reinterpret_cast<vec16*>(kr + j) = kv;
         }
       }
-      std::fill(num.begin(), num.begin() + mr * dvp, 0.f);
       tile_rows(mr, kap.data(), npad, up.data() + bh * tiles * Np * kTile, Np * kTile, i1, num.data(), kTile, dvp,
-                tiles);
+                tiles, false);
       const float* wd = om.data() + bh * Np;
       for (int64_t a = 0; a < mr; ++a) {
         const int64_t i = i0 + a;
@@ -806,9 +810,8 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
           float* x = blk.data() + a * N;
           for (int64_t j = 0; j < N; ++j) x[j] = ya[j] * yb[j];
         }
-        std::fill(acc.begin(), acc.begin() + mr * dvp, 0.f);
         tile_rows(mr, blk.data(), N, up.data() + bh * tiles * Np * kTile, Np * kTile, N, acc.data(), kTile, dvp,
-                  tiles);
+                  tiles, false);
         for (int64_t a = 0; a < mr; ++a) {  // odd d: a pair listed twice writes its one canonical row twice, alike
           float* row = fin + canon[f0 + a] * (dv + 1);
           for (int64_t c = 0; c < dv; ++c) row[c] = acc[a * dvp + c];

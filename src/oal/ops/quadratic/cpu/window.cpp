@@ -75,13 +75,15 @@ Block block_weights(const Segment& sg, int64_t bh, int64_t i_lo) {
       // E_i within the block's keys: sinks j ≤ t0 + i, window positions lo … i + w (from i + 1)
       const int64_t sj = std::min(n_sink, t0 + i + 1), w0 = ns + std::max<int64_t>(0, i + 1 - lo),
                     w1 = ns + (i + w - lo + 1);
-      const float lam = sg.log_mass[row];
-      float M = lam;
-      for (int64_t j = 0; j < L; ++j) {
-        const bool in = j < sj || (j >= w0 && j < w1);
-        pr[j] = in ? pr[j] * sg.scale : -std::numeric_limits<float>::infinity();
-        M = std::max(M, pr[j]);
-      }
+      const float lam = sg.log_mass[row], ninf = -std::numeric_limits<float>::infinity();
+      // E_i is two runs of the block's keys, the sinks [0, sj) and the window [w0, w1) after them (sj ≤ ns ≤ w0):
+      // straight loops that vectorise, not a test per key
+      const int64_t e2 = std::max(sj, w0), e3 = std::max(e2, w1);
+      for (int64_t j = 0; j < sj; ++j) pr[j] *= sg.scale;
+      for (int64_t j = sj; j < e2; ++j) pr[j] = ninf;
+      for (int64_t j = e2; j < e3; ++j) pr[j] *= sg.scale;
+      for (int64_t j = e3; j < L; ++j) pr[j] = ninf;
+      const float M = std::max(lam, max_of(pr, L));
       const float total = exp_shifted(pr, L, M);  // -inf (outside E_i) gives 0
       const float kern = std::isinf(lam) ? 0.f : std::exp(lam - M);  // an empty kernel set adds nothing
       const float inv = 1.f / (total + kern);
