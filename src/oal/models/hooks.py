@@ -42,6 +42,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..kernels.base import AttentionKernel, SoftmaxKernel
 from ..kernels.decode import decode_step
+from ..ops.quadratic import cpu as cpu_kernels
 from .architecture import attention_spec, check_layer, get_attention_modules
 from .state_cache import KernelStateLayer, RowStates, kernel_state_layer
 
@@ -390,6 +391,8 @@ def attach_kernel(model: PreTrainedModel, layer: int, kernel: AttentionKernel) -
     module = get_attention_modules(model)[layer]
     kernel._apply = _KeepPrecisionApply(kernel)
     setattr(module, KERNEL_ATTR, kernel.to(module.q_proj.weight.device))
+    if module.q_proj.weight.device.type == "cpu":
+        cpu_kernels.preload()  # at attach time, not inside the first forward (a prefill's timing included)
     if getattr(module, _HOOKS_ATTR, None) is None:
         setattr(
             module,

@@ -77,6 +77,13 @@ def load(kind: str = "chunk") -> ModuleType | None:
     return _state[kind]
 
 
+def preload() -> None:
+    """Load (building on first use) every fused kernel now, so that the first forward of a converted model on CPU
+    does not pay for it (~50 ms, or the builds); a no-op for kernels already loaded, and when disabled."""
+    for kind in SOURCES:
+        load(kind)
+
+
 def usable(q: torch.Tensor, factor: object) -> bool:
     """Whether a call with these arguments can run on the fused kernel (before building it)."""
     return (
