@@ -644,6 +644,37 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
 }
 
 
+// one row of parallel_forward's kernel matrix: kr[j] = c0 + Σ_m (c_m + Σ_p A[m·lda + p] s_p[j])² for j ≤ i, 0 after,
+// with s_p[j] = sc[p·pstride + j]; PP > 0 fixes the class count at compile time (scores held in registers), 0 reads
+// it from P
+template <int PP>
+inline void kappa_row(const float* sc, int64_t pstride, const float* A, int64_t lda, const float* c, int64_t R,
+                      float c0, int64_t i, int64_t npad, float* kr, int64_t P = PP) {
+  for (int64_t j = 0; j < npad; j += 16) {
+    vec16 kv = {};
+    if (j <= i) {
+      kv += c0;
+      if constexpr (PP > 0) {
+        vec16 s[PP];
+        for (int p = 0; p < PP; ++p) s[p] = *reinterpret_cast<const vec16*>(sc + p * pstride + j);
+        for (int64_t m = 0; m < R; ++m) {
+          vec16 z = vec16{} + c[m];
+          for (int p = 0; p < PP; ++p) z += A[m * lda + p] * s[p];
+          kv += z * z;
+        }
+      } else {
+        for (int64_t m = 0; m < R; ++m) {
+          vec16 z = vec16{} + c[m];
+          for (int64_t p = 0; p < P; ++p) z += A[m * lda + p] * *reinterpret_cast<const vec16*>(sc + p * pstride + j);
+          kv += z * z;
+        }
+      }
+      for (int64_t l = i + 1 - j; l < 16; ++l) kv[l] = 0.f;  // causal: keys after i weigh nothing
+    }
+    *reinterpret_cast<vec16*>(kr + j) = kv;
+  }
+}
+
 // forward's outputs (o, dens) for a segment without an initial state, in parallel form: per query head
 //   num_i = Σ_{j ≤ i} κ_ij ω_j [v_j, 1],   κ_ij = c0 + Σ_m z_m²,   z_m = c_m + Σ_p A_mp s_p,   s_p = Σ_{r ∈ p} q_ir k_jr
 // where the channels r of a query head fall into the classes p of equal columns of scale·W (fw[m, r] = A_mp): for
@@ -744,21 +775,14 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
       const float* ch = FC + hq * R;
       const float cz = C0[hq];
       for (int64_t a = 0; a < mr; ++a) {
-        const int64_t i = i0 + a;
+        const float* sa = sc.data() + a * npad;
         float* kr = kap.data() + a * npad;
-        for (int64_t j = 0; j < npad; j += 16) {
-          vec16 kv = {};
-          if (j <= i) {
-            kv += cz;
-            for (int64_t m = 0; m < R; ++m) {
-              vec16 z = vec16{} + ch[m];
-              for (int64_t p = 0; p < P; ++p)
-                z += Ah[m * d + p] * *reinterpret_cast<const vec16*>(sc.data() + (p * mr + a) * npad + j);
-              kv += z * z;
-            }
-            for (int64_t l = i + 1 - j; l < 16; ++l) kv[l] = 0.f;  // causal: keys after i weigh nothing
-          }
-          *reinterpret_cast<vec16*>(kr + j) = kv;
+        switch (P) {  // the classes' scores in registers; OAL has P = G ≤ 4 groups in practice
+          case 1: kappa_row<1>(sa, mr * npad, Ah, d, ch, R, cz, i0 + a, npad, kr); break;
+          case 2: kappa_row<2>(sa, mr * npad, Ah, d, ch, R, cz, i0 + a, npad, kr); break;
+          case 3: kappa_row<3>(sa, mr * npad, Ah, d, ch, R, cz, i0 + a, npad, kr); break;
+          case 4: kappa_row<4>(sa, mr * npad, Ah, d, ch, R, cz, i0 + a, npad, kr); break;
+          default: kappa_row<0>(sa, mr * npad, Ah, d, ch, R, cz, i0 + a, npad, kr, P); break;
         }
       }
       tile_rows(mr, kap.data(), npad, up.data() + bh * tiles * Np * kTile, Np * kTile, i1, num.data(), kTile, dvp,
