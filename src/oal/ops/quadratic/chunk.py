@@ -332,8 +332,8 @@ def channel_classes(fw: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 # The parallel form's cost per operation of the model below relative to the chunked loop's, measured
-# (benchmarks/parallel_crossover.py, 2 threads, SmolLM2 shapes: the two cross at n ≈ 1750, the model alone at 2035).
-PARALLEL_COST = 1.15
+# (benchmarks/parallel_crossover.py, 2 threads, SmolLM2 shapes: they cross at n ≈ 1800–1950, the count at 2035).
+PARALLEL_COST = 1.0
 
 
 def parallel_pays(n: int, d: int, dv: int, R: int, P: int) -> bool:

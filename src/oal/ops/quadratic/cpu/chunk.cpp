@@ -1,6 +1,6 @@
 // Fused CPU forward of the chunked quadratic-kernel operator (the no-autograd path of ../chunk.py, and the forward of
 // its _FusedChunk), below it the same outputs of a fresh segment in parallel form (parallel_forward: cheaper up to
-// ~1.7k tokens) and the backward of the chunked forward (chunk_backward, the reverse chunk scan).
+// ~2k tokens) and the backward of the chunked forward (chunk_backward, the reverse chunk scan).
 //
 // Same arithmetic as _forward_no_grad with a KernelFactor: per (batch, KV head) and chunk of n tokens
 //   num  = kern @ u  +  φ_q(Q) @ S,   den = kern @ w  +  φ_q(Q) · z      (intra-chunk part + readout, Eq. 6)
