@@ -368,9 +368,10 @@ def _forward_fused(
     w, fw, fc, c0 = (x.contiguous() for x in _query_coefficients(a, b, C, factor, s, f32, k.shape[1]))
     floor = -1.0 if kernel_floor is None else float(kernel_floor)
     weights = torch.empty(0) if key_weight is None else key_weight.to(f32).contiguous()
-    if initial_state is None:
+    n, d, dv, R = q.shape[2], q.shape[-1], v.shape[-1], fw.shape[2]
+    if initial_state is None and parallel_pays(n, d, dv, R, 1):  # the classes only where even one class could pay
         rep, P = channel_classes(fw)
-        if parallel_pays(q.shape[2], q.shape[-1], v.shape[-1], fw.shape[2], P):
+        if parallel_pays(n, d, dv, R, P):
             o, dens, final = ext.chunk_parallel_forward(
                 q.contiguous(), k.contiguous(), v.contiguous(), fw, fc, c0, rep, weights, canon_of_cyc, floor,
                 output_final_state,

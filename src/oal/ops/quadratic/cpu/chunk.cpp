@@ -11,8 +11,8 @@
 // kern[i, j] = c0 + Σ_m (c_m + scale·(q_i ⊙ W_m)·k_j)² for j ≤ i (Eq. 7).
 //
 // None of it goes through the BLAS. The two state products are nearly all the work; through the BLAS they
-// need φ_q and φ_k written out (G·n·D and n·D floats per chunk) and packed again, and on the AMD CPU we
-// measure on, MKL's sgemm reaches 60-70 % of the FMA peak (benchmarks/cpu_peak.py). Here one register-tiled
+// need φ_q and φ_k written out (G·n·D and n·D floats per chunk) and packed again, and on the AMD CPU of
+// earlier stops, MKL's sgemm reaches 60-70 % of the FMA peak (benchmarks/cpu_peak.py). Here one register-tiled
 // kernel (12 rows x 32 columns of accumulators, tile_kernel) runs every product on features generated block by
 // block into L1, and each thread owns a contiguous range of features: it keeps its slice of the state (stored as
 // 16-column panels) in its own cache, reads it out and updates it, so only the per-thread partial outputs cross
@@ -152,6 +152,13 @@ inline void pair_features(const T* y, const T* w, int64_t P, int64_t fa, int64_t
   }
 }
 
+// the canonical state row of each cyclic feature (utils.cyclic_maps), checked: initial and final states are canonical
+inline const int64_t* canonical_rows(const Tensor& canon_of_cyc, int64_t Dc) {
+  TORCH_CHECK(canon_of_cyc.scalar_type() == at::kLong && canon_of_cyc.numel() == Dc && canon_of_cyc.is_contiguous(),
+              "canon_of_cyc: expected ", Dc, " contiguous int64 rows");
+  return canon_of_cyc.data_ptr<int64_t>();
+}
+
 template <typename T>
 std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& fw,
                             const Tensor& fc, const Tensor& c0, const Tensor& state0, const Tensor& key_weight,
@@ -190,9 +197,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
   float* DENS = want_dens ? dens.data_ptr<float>() : nullptr;
   const bool floored = kernel_floor >= 0, weighted = key_weight.numel() > 0;
   const float* KW = weighted ? key_weight.data_ptr<float>() : nullptr;
-  TORCH_CHECK(canon_of_cyc.scalar_type() == at::kLong && canon_of_cyc.numel() == Dc && canon_of_cyc.is_contiguous(),
-              "canon_of_cyc: expected ", Dc, " contiguous int64 rows");
-  const int64_t* canon = canon_of_cyc.data_ptr<int64_t>();  // the initial and final states' rows are canonical
+  const int64_t* canon = canonical_rows(canon_of_cyc, Dc);
   TORCH_CHECK(state0.numel() == 0 || state0.numel() == B * Hkv * D * (dv + 1), "state0: expected (B, Hkv, ", D, ", ",
               dv + 1, ") or empty");
   std::vector<float> ones(cs, 1.f), counts(cs);
@@ -643,7 +648,6 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
   return {dq, dk, dvt, dw, dfw, dfc, dc0, dstate0, dkw};
 }
 
-
 // one row of parallel_forward's kernel matrix: kr[j] = c0 + Σ_m (c_m + Σ_p A[m·lda + p] s_p[j])² for j ≤ i, 0 after,
 // with s_p[j] = sc[p·pstride + j]; PP > 0 fixes the class count at compile time (scores held in registers), 0 reads
 // it from P
@@ -749,7 +753,8 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
       for (int64_t j = 0; j < N; ++j) {
         wd[j] = weighted ? KW[bh * N + j] : 1.f;
         counts[bh * N + j] = static_cast<float>(seen += wd[j]);
-        for (int64_t c = 0; c < dv; ++c) ud[(c / kTile * Np + j) * kTile + c % kTile] = wd[j] * static_cast<float>(vs[j * dv + c]);
+        for (int64_t c = 0; c < dv; ++c)
+          ud[(c / kTile * Np + j) * kTile + c % kTile] = wd[j] * static_cast<float>(vs[j * dv + c]);
       }
     }
   });
@@ -803,9 +808,7 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
   Tensor final = at::empty({0}, f32);
   if (want_final) {
     const int64_t e = d + 1, P = e / 2 + 1, Dc = e * P, D = 1 + d + d * (d + 1) / 2;
-    TORCH_CHECK(canon_of_cyc.scalar_type() == at::kLong && canon_of_cyc.numel() == Dc && canon_of_cyc.is_contiguous(),
-                "canon_of_cyc: expected ", Dc, " contiguous int64 rows");
-    const int64_t* canon = canon_of_cyc.data_ptr<int64_t>();
+    const int64_t* canon = canonical_rows(canon_of_cyc, Dc);
     final = at::empty({B, Hkv, D, dv + 1}, f32);
     float* FIN = final.data_ptr<float>();
     // doubled [k, 1] per KV head, token-contiguous: yk[r·N + j], r < 2e
@@ -851,9 +854,9 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
 
 // q (B, Hq, N, d), k (B, Hkv, N, d), v (B, Hkv, N, dv): contiguous, one dtype among fp32 / bf16 / fp16.
 // w (Hkv, G, e, P), fw (Hkv, G, R, d) (scale folded in), fc (Hkv, G, R), c0 (Hkv, G): contiguous fp32.
-// state0: (B, Hkv, e·P, dv+1) fp32 in the cyclic layout, or empty. key_weight: (B, Hkv, N) fp32, or empty.
-// kernel_floor < 0: no floor.
-// Returns [o (q's dtype), dens (B, Hkv, G, N) or empty, final state (cyclic layout) or empty].
+// state0: (B, Hkv, D, dv+1) fp32 in the canonical layout, or empty; canon_of_cyc (e·P,) int64 its row of each cyclic
+// feature (utils.cyclic_maps). key_weight: (B, Hkv, N) fp32, or empty. kernel_floor < 0: no floor.
+// Returns [o (q's dtype), dens (B, Hkv, G, N) or empty, final state (canonical rows, as state0) or empty].
 std::vector<Tensor> chunk_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& fw,
                                   const Tensor& fc, const Tensor& c0, const Tensor& state0,
                                   const Tensor& key_weight, const Tensor& canon_of_cyc, double kernel_floor,
@@ -908,7 +911,7 @@ std::vector<Tensor> chunk_backward(const Tensor& q, const Tensor& k, const Tenso
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("chunk_parallel_forward", &chunk_parallel_forward, "Parallel-form forward of a fresh segment, and its final state");
+  m.def("chunk_parallel_forward", &chunk_parallel_forward, "Parallel-form forward of a fresh segment and its state");
   m.def("chunk_forward", &chunk_forward, "Fused CPU forward of the chunked quadratic-kernel operator");
   m.def("chunk_backward", &chunk_backward, "Reverse chunk scan: gradients of chunk_forward's outputs");
 }

@@ -209,12 +209,13 @@ void kernel_finish(const KernelHeadArgs& a, float* acc, int64_t G, int64_t d, in
     float total = 0.f;
     float* o = a.out + g * dv;
     std::fill(o, o + dv, 0.f);
-    for (const float* pt : {ns > 0 ? sp : nullptr, s0 < w ? wp : nullptr}) {
-      if (pt == nullptr) continue;
-      const float f = std::exp(pt[g] - M);
-      total += f * pt[G + g];
-      axpy(o, f, pt + 2 * G + g * dv, dv);
-    }
+    auto join = [&](const float* part_of) {  // one softmax part, rescaled to the common max
+      const float f = std::exp(part_of[g] - M);
+      total += f * part_of[G + g];
+      axpy(o, f, part_of + 2 * G + g * dv, dv);
+    };
+    if (ns > 0) join(sp);
+    if (s0 < w) join(wp);
     const float ks = count > 0.f ? std::exp(log_mass - M) : 0.f;
     total += ks;
     const float inv = 1.f / total, kern = count > 0.f ? ks / den : 0.f;  // an empty kernel set adds nothing
