@@ -7,8 +7,9 @@ from transformers import DynamicCache
 
 from oal.conversion import convert_model
 from oal.kernels import AttentionKernel
+from oal.kernels.decode import GROWTH, softmax_decode_step
 from oal.models import KernelCache, KernelStateLayer, attach_kernel, cache_nbytes, detach_kernel
-from oal.models.state_cache import layer_nbytes
+from oal.models.state_cache import ExactKVLayer, layer_nbytes
 
 KERNELS = ["oal", "global", "performer", "spectraformer", "dijiang", "taylorshift", "softmax"]
 
@@ -70,10 +71,10 @@ def test_generation_with_an_explicit_kernel_cache(make_model):
     model = convert(make_model(), "oal")
     cache = KernelCache(model)
     assert [type(layer).__name__ for layer in cache.layers] == [
-        "DynamicLayer",
+        "ExactKVLayer",
         "KernelStateLayer",
         "KernelStateLayer",
-        "DynamicLayer",
+        "ExactKVLayer",
     ]
     ids = prompt(1, 9)
     want, _ = recompute_greedy(model, ids, 5)
@@ -106,9 +107,11 @@ def test_state_size_does_not_grow_with_the_context(make_model, kernel):
         assert cache_nbytes(cache) == sum(b for _, b in sizes[n])
     converted = [b for (name, b) in sizes[8] if name == "KernelStateLayer"]
     assert converted == [b for (name, b) in sizes[96] if name == "KernelStateLayer"] and all(converted)
-    kv_8 = [b for (name, b) in sizes[8] if name == "DynamicLayer"]
-    kv_96 = [b for (name, b) in sizes[96] if name == "DynamicLayer"]
-    assert kv_96 == [b * 12 for b in kv_8]  # softmax layers hold keys and values of every token
+    kv_8 = [b for (name, b) in sizes[8] if name == "ExactKVLayer"]
+    kv_96 = [b for (name, b) in sizes[96] if name == "ExactKVLayer"]
+    # softmax layers hold keys and values of every token, in buffers with GROWTH spare slots
+    assert len(kv_8) == 2 and [b // (96 + GROWTH) for b in kv_96] == [b // (8 + GROWTH) for b in kv_8]
+    assert all(b % (8 + GROWTH) == 0 for b in kv_8) and all(b % (96 + GROWTH) == 0 for b in kv_96)
 
 
 @pytest.mark.parametrize(
@@ -186,3 +189,59 @@ def test_kernel_without_state_cannot_continue(make_model):
         model(prompt(1, 5), cache=cache)  # a prompt alone works
         with pytest.raises(ValueError, match="returned no recurrent state for the first 5 tokens"):
             model(prompt(1, 1), cache=cache)
+
+
+def test_softmax_layers_decode_through_the_fused_step(make_model, monkeypatch):
+    import oal.models.hooks as hooks
+
+    calls = []
+
+    def spy(q, k_buf, v_buf, length, scale):
+        out = softmax_decode_step(q, k_buf, v_buf, length, scale)
+        calls.append((length, out is not None))
+        return out
+
+    monkeypatch.setattr(hooks, "softmax_decode_step", spy)
+    model = convert(make_model("llama", num_kv_heads=2), "oal")
+    ids = prompt(2, 21)
+    assert_same_generation(model, ids, steps=8)  # fresh DynamicCache of generate(): its softmax entries taken over
+    # layers 0 and 3 keep softmax: 7 one-token steps each (the first new token comes from the prefill)
+    assert sorted(calls) == sorted((n, True) for n in range(22, 29) for _ in range(2))
+    calls.clear()
+    cache = KernelCache(model)
+    assert [type(layer).__name__ for layer in cache.layers] == [
+        "ExactKVLayer",
+        "KernelStateLayer",
+        "KernelStateLayer",
+        "ExactKVLayer",
+    ]
+    assert_same_generation(model, ids, steps=3, cache=cache)
+    assert len(calls) == 4 and all(ok for _, ok in calls)
+
+
+def test_exact_kv_layer_writes_in_place_and_keeps_dynamic_layer_semantics():
+    layer = ExactKVLayer()
+    gen = torch.Generator().manual_seed(0)
+    k0, v0 = torch.randn(2, 3, 10, 4, generator=gen), torch.randn(2, 3, 10, 5, generator=gen)
+    keys, values = layer.update(k0, v0)
+    assert torch.equal(keys, k0) and torch.equal(values, v0) and layer.get_seq_length() == 10
+    kbuf, _ = layer.buffers(keys)
+    assert kbuf.shape == (2, 3, 10 + GROWTH, 4)
+    assert layer.nbytes == 2 * 3 * (10 + GROWTH) * (4 + 5) * 4  # the spare slots count
+    new = [(torch.randn(2, 3, 1, 4, generator=gen), torch.randn(2, 3, 1, 5, generator=gen)) for _ in range(GROWTH + 1)]
+    for i, (k, v) in enumerate(new):
+        keys, values = layer.update(k, v)
+        same_buffer = layer.buffers(keys)[0].data_ptr() == kbuf.data_ptr()
+        assert same_buffer == (i < GROWTH)  # in place until the buffer is full, then one grown copy
+    want_k = torch.cat([k0] + [k for k, _ in new], dim=2)
+    assert torch.equal(keys, want_k) and layer.get_seq_length() == 11 + GROWTH
+    assert layer.buffers(keys.clone()) is None  # only the views it returned
+    layer.crop(-3)
+    keys, _ = layer.update(*new[0])
+    assert torch.equal(keys, torch.cat([want_k[:, :, :-3], new[0][0]], dim=2))
+    layer.reorder_cache(torch.tensor([1, 0]))  # a copy: the next update starts a new buffer
+    assert layer.buffers(layer.keys) is None
+    keys, _ = layer.update(*new[1])
+    assert layer.buffers(keys) is not None and torch.equal(keys[0, :, -1:], new[1][0][0])
+    layer.reset()
+    assert layer.get_seq_length() == 0 and layer.nbytes == 0

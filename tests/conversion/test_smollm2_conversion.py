@@ -37,7 +37,7 @@ def test_cached_generation_equals_recomputation(converted):
             seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1:].argmax(-1)], 1)
     assert torch.equal(got, seq)
     kinds = [type(layer).__name__ for layer in cache.layers]
-    assert kinds == ["DynamicLayer"] * 3 + ["KernelStateLayer"] * 24 + ["DynamicLayer"] * 3
+    assert kinds == ["ExactKVLayer"] * 3 + ["KernelStateLayer"] * 24 + ["ExactKVLayer"] * 3
     assert cache.layers[5].state.shape == (1, 3, 1 + 64 + 64 * 65 // 2, 65)
 
 

@@ -33,7 +33,7 @@ from .hybrid import ExactHeadsKernel, ExactHeadsState
 from .oal import OALKernel, oal_coefficients
 from .sink_window import SinkWindowKernel
 
-__all__ = ["GROWTH", "decode_step"]
+__all__ = ["GROWTH", "decode_step", "softmax_decode_step"]
 
 GROWTH = 64  # spare key/value slots added to an exact head's buffer when it is full (at 8k: ≤ 0.7 MB in all)
 _CONSTANTS_ATTR = "_oal_decode_constants"
@@ -170,3 +170,63 @@ def decode_step(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state
     if isinstance(kernel, ExactHeadsKernel):
         return out.view(B, Hq, 1, dv), ExactHeadsState(ex_k, ex_v, new_inner, past + 1)
     return out.view(B, Hq, 1, dv), new_inner
+
+
+def softmax_decode_step(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int, scale: float
+) -> torch.Tensor | None:
+    """Exact causal softmax of one new query per row over the first ``length`` cached keys, the new one included:
+    q ``(B, Hq, 1, d)``, ``k_buf (B, Hkv, capacity, d)`` / ``v_buf (B, Hkv, capacity, dv)`` contiguous buffers
+    whose slot ``length - 1`` holds the new token (:class:`oal.models.state_cache.ExactKVLayer`). Returns
+    ``o (B, Hq, 1, dv)``, what ``F.scaled_dot_product_attention`` gives over those keys (GQA: query head h uses
+    KV head h // (Hq / Hkv)), or None where the fused path does not apply (not CPU fp32, autograd on, no
+    extension, other shapes); the caller then runs SDPA.
+
+    ``decode.cpp``'s exact-head step with every KV head exact: each key is read once for all query heads of its
+    KV head, long contexts split into parts combined by their maxima. It rewrites slot ``length - 1`` from
+    itself."""
+    if q.dim() != 4 or q.shape[2] != 1 or k_buf.dim() != 4 or v_buf.dim() != 4 or length < 1:
+        return None
+    B, Hq, _, d = q.shape
+    Hkv, cap, dv = k_buf.shape[1], k_buf.shape[2], v_buf.shape[3]
+    if (
+        not _on_cpu(q, k_buf, v_buf)
+        or k_buf.shape[0] != B
+        or k_buf.shape[3] != d
+        or tuple(v_buf.shape[:3]) != (B, Hkv, cap)
+        or Hkv == 0
+        or Hq % Hkv
+        or cap < length
+        or not (k_buf.is_contiguous() and v_buf.is_contiguous())
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_buf, v_buf)))
+    ):
+        return None
+    ext = cpu_kernel.load("decode")
+    if ext is None:
+        return None
+    t = length - 1
+    out = q.new_empty(B, Hq, dv)
+    ext.decode_step(
+        q.reshape(B, Hq, d).contiguous(),
+        k_buf[:, :, t].contiguous(),
+        v_buf[:, :, t].contiguous(),
+        out,
+        torch.arange(Hkv),
+        k_buf,
+        v_buf,
+        torch.empty(0, dtype=torch.long),
+        _EMPTY,
+        _EMPTY.view(0, 0),
+        _EMPTY,
+        _EMPTY,
+        _EMPTY,
+        _EMPTY,
+        _EMPTY,
+        t,
+        0,
+        0,
+        scale,
+        0.0,
+        False,
+    )
+    return out.view(B, Hq, 1, dv)

@@ -41,10 +41,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..kernels.base import AttentionKernel, SoftmaxKernel
-from ..kernels.decode import decode_step
+from ..kernels.decode import decode_step, softmax_decode_step
 from ..ops.quadratic import cpu as cpu_kernels
 from .architecture import attention_spec, check_layer, get_attention_modules
-from .state_cache import KernelStateLayer, RowStates, kernel_state_layer
+from .state_cache import KernelStateLayer, RowStates, exact_kv_layer, kernel_state_layer
 
 ATTN_IMPLEMENTATION = "oal"
 KERNEL_ATTR = "oal_kernel"
@@ -52,9 +52,12 @@ _RECORDER_ATTR = "_oal_recorder"
 _PREVIOUS_ATTR = "_oal_previous_attn_implementation"
 _HOOKS_ATTR = "_oal_cache_hooks"
 _STATE_ATTR = "_oal_state_layer"  # the module's KernelStateLayer during one forward (None: no cache)
+_EXACT_KV_ATTR = "_oal_exact_kv_layer"  # a softmax layer's ExactKVLayer during one forward (None: other entry)
 _HALF = (torch.float16, torch.bfloat16)
 # Attention-function arguments that change the softmax itself; a kernel cannot honour them.
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
+# ... and those the fused softmax decode step of a layer without a kernel leaves to SDPA
+_SOFTMAX_KWARGS = (*_UNSUPPORTED_KWARGS, "sliding_window")
 
 
 class QKV(NamedTuple):
@@ -190,8 +193,10 @@ def _kernel_attention(
     _check_kernel_call(module, kernel, n, past, attention_mask, scaling, dropout, kwargs)
     valid = _key_validity(where, attention_mask, n, past)
     if isinstance(kernel, SoftmaxKernel) and past:
-        # exact softmax keeps keys and values: decoding is transformers' own SDPA call with the kernel's scale
-        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=kernel.scale, **kwargs)
+        # exact softmax keeps keys and values: the fused step, else transformers' own SDPA call with the kernel's scale
+        out = _softmax_decode(module, query, key, value, valid is None, kernel.scale)
+        if out is None:
+            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=kernel.scale, **kwargs)
         return out
     if key.shape[2] != n:
         raise ValueError(
@@ -282,6 +287,30 @@ def _padded_attention(
     return o
 
 
+def _softmax_decode(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
+) -> torch.Tensor | None:
+    """A softmax layer's one-token step through the fused kernel (``(B, 1, Hq, dv)``, as SDPA's output), when its
+    cache entry is an :class:`ExactKVLayer` that just returned ``key`` / ``value`` and the mask is plain causal;
+    None otherwise (the caller runs SDPA)."""
+    entry = getattr(module, _EXACT_KV_ATTR, None)
+    if entry is None or query.shape[2] != 1 or not causal or value is not entry.values:
+        return None
+    buffers = entry.buffers(key)
+    if buffers is None:
+        return None
+    out = softmax_decode_step(query, *buffers, key.shape[2], scale)
+    return None if out is None else out.to(value.dtype).transpose(1, 2)
+
+
+def _plain_causal(attention_mask: torch.Tensor | None, n: int, past: int) -> bool:
+    """Whether ``attention_mask`` is plain causal attention of ``n`` queries over ``past + n`` keys (or None)."""
+    try:
+        return _key_validity("", attention_mask, n, past) is None
+    except ValueError:
+        return False
+
+
 def oal_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -296,13 +325,19 @@ def oal_attention_forward(
     ``(attn_output (B, N, Hq, dv), attn_weights)``, as transformers' ``sdpa_attention_forward``. For a layer
     with a recurrent kernel, N_kv = N (the new tokens; the past is in the cached state)."""
     kernel = getattr(module, KERNEL_ATTR, None)
-    if kernel is None:
+    out = weights = None
+    if kernel is None and not dropout and not any(kwargs.get(name) is not None for name in _SOFTMAX_KWARGS):
+        n = query.shape[2]
+        if _plain_causal(attention_mask, n, key.shape[2] - n):
+            out = _softmax_decode(
+                module, query, key, value, True, float(scaling if scaling is not None else module.scaling)
+            )
+    if kernel is None and out is None:
         out, weights = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    else:
+    elif kernel is not None:
         out = _kernel_attention(module, kernel, query, key, value, attention_mask, dropout, scaling, kwargs)
-        weights = None
     recorder = getattr(module, _RECORDER_ATTR, None)
     if recorder is not None:
         recorder.record(
@@ -340,19 +375,47 @@ def _sync_attn_implementation(model: PreTrainedModel) -> None:
 
 
 def _find_state_layer(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of a module with a kernel: leave its cache entry on the module for the attention function."""
+    """Forward pre-hook of every attention module of a model with a kernel: leave the module's cache entry on it
+    for the attention function — a :class:`KernelStateLayer` for a kernel's state, an :class:`ExactKVLayer` for
+    a softmax layer's keys and values (a fresh ``DynamicLayer`` becomes one)."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     kernel = getattr(module, KERNEL_ATTR, None)
-    layer = None
+    layer = exact = None
     if cache is not None and kernel is not None and not isinstance(kernel, SoftmaxKernel):
         layer = kernel_state_layer(cache, module.layer_idx)
         layer.expect_update()
+    elif cache is not None:
+        exact = exact_kv_layer(cache, module.layer_idx)
     setattr(module, _STATE_ATTR, layer)
+    setattr(module, _EXACT_KV_ATTR, exact)
 
 
 def _forget_state_layer(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
     """Forward hook (also run on exceptions): the cache must not outlive the forward through the module."""
     module.__dict__.pop(_STATE_ATTR, None)
+    module.__dict__.pop(_EXACT_KV_ATTR, None)
+
+
+def _sync_cache_hooks(model: PreTrainedModel) -> None:
+    """The cache hooks on every attention module while any layer has a kernel (softmax layers too: their entries
+    become :class:`ExactKVLayer`), on none otherwise."""
+    modules = get_attention_modules(model)
+    needed = any(getattr(m, KERNEL_ATTR, None) is not None for m in modules)
+    for module in modules:
+        handles = getattr(module, _HOOKS_ATTR, None)
+        if needed and handles is None:
+            setattr(
+                module,
+                _HOOKS_ATTR,
+                (
+                    module.register_forward_pre_hook(_find_state_layer, with_kwargs=True),
+                    module.register_forward_hook(_forget_state_layer, with_kwargs=True, always_call=True),
+                ),
+            )
+        elif not needed and handles is not None:
+            for handle in handles:
+                handle.remove()
+            module.__dict__.pop(_HOOKS_ATTR, None)
 
 
 class _KeepPrecisionApply:
@@ -393,15 +456,7 @@ def attach_kernel(model: PreTrainedModel, layer: int, kernel: AttentionKernel) -
     setattr(module, KERNEL_ATTR, kernel.to(module.q_proj.weight.device))
     if module.q_proj.weight.device.type == "cpu":
         cpu_kernels.preload()  # at attach time, not inside the first forward (a prefill's timing included)
-    if getattr(module, _HOOKS_ATTR, None) is None:
-        setattr(
-            module,
-            _HOOKS_ATTR,
-            (
-                module.register_forward_pre_hook(_find_state_layer, with_kwargs=True),
-                module.register_forward_hook(_forget_state_layer, with_kwargs=True, always_call=True),
-            ),
-        )
+    _sync_cache_hooks(model)
     _sync_attn_implementation(model)
 
 
@@ -414,10 +469,8 @@ def detach_kernel(model: PreTrainedModel, layer: int) -> AttentionKernel:
     if kernel is None:
         raise ValueError(f"layer: no kernel is attached to layer {layer}")
     delattr(module, KERNEL_ATTR)
-    for handle in getattr(module, _HOOKS_ATTR, None) or ():
-        handle.remove()
-    module.__dict__.pop(_HOOKS_ATTR, None)
     kernel.__dict__.pop("_apply", None)
+    _sync_cache_hooks(model)
     _sync_attn_implementation(model)
     return kernel
 

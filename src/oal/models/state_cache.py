@@ -29,11 +29,15 @@ from torch.utils import _pytree as pytree
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
+from ..kernels.decode import GROWTH
+
 __all__ = [
+    "ExactKVLayer",
     "KernelCache",
     "KernelStateLayer",
     "RowStates",
     "cache_nbytes",
+    "exact_kv_layer",
     "kernel_state_layer",
     "layer_nbytes",
     "state_nbytes",
@@ -199,8 +203,104 @@ class KernelStateLayer(CacheLayerMixin):
             self.state = _map_state(self.state, lambda t: t.to(self.device, non_blocking=True))
 
 
+class ExactKVLayer(DynamicLayer):
+    """The cache entry of a softmax layer of a model with kernels: a ``DynamicLayer`` whose keys and values live
+    in a buffer with spare slots, so that a decode step writes its key in place instead of concatenating.
+
+    ``DynamicLayer.update`` copies the whole cache every step (``torch.cat``: at 8k, 12.6 MB read and written per
+    SmolLM2 layer and token); here the new tokens go into the buffer ``(B, Hkv, capacity, d)`` and :attr:`keys` /
+    :attr:`values` are the views of its first :meth:`get_seq_length` slots, so every ``DynamicLayer`` method
+    (crop, reorder, batch selection, masks) keeps its meaning; a method that replaces the views by other tensors
+    (beam reordering) simply makes the next update start a new buffer. The buffer is grown by ``GROWTH`` (64)
+    slots when full (one copy per GROWTH tokens). :meth:`buffers` hands the buffers to the fused one-token softmax
+    step (:func:`oal.kernels.decode.softmax_decode_step`), which reads every key once for all query heads of its
+    KV head.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kbuf: torch.Tensor | None = None
+        self._vbuf: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"ExactKVLayer(seen={self.get_seq_length()}, capacity={0 if self._kbuf is None else self._kbuf.shape[2]})"
+        )
+
+    def _owns_views(self) -> bool:
+        """Whether :attr:`keys` / :attr:`values` are still the views of the first slots of the buffers."""
+        if self._kbuf is None or self.keys is None or self.values is None:
+            return False
+        return all(
+            view.data_ptr() == buf.data_ptr()
+            and view.stride() == buf.stride()
+            and view.shape[:2] == buf.shape[:2]
+            and view.shape[3] == buf.shape[3]
+            and view.dtype == buf.dtype
+            for view, buf in ((self.keys, self._kbuf), (self.values, self._vbuf))
+        )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key_states (B, Hkv, n, d)`` / ``value_states (B, Hkv, n, dv)``; returns all keys and values
+        (views of the buffers) like ``DynamicLayer.update``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        used = self.get_seq_length()
+        n = key_states.shape[-2]
+        if not self._owns_views() or used + n > self._kbuf.shape[2]:
+            kbuf = key_states.new_empty(*key_states.shape[:2], used + n + GROWTH, key_states.shape[3])
+            vbuf = value_states.new_empty(*value_states.shape[:2], used + n + GROWTH, value_states.shape[3])
+            if used:
+                kbuf[:, :, :used] = self.keys
+                vbuf[:, :, :used] = self.values
+            self._kbuf, self._vbuf = kbuf, vbuf
+        self._kbuf[:, :, used : used + n] = key_states
+        self._vbuf[:, :, used : used + n] = value_states
+        self.keys, self.values = self._kbuf[:, :, : used + n], self._vbuf[:, :, : used + n]
+        return self.keys, self.values
+
+    def buffers(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(key buffer, value buffer)`` when ``keys`` is the view :meth:`update` just returned, else None."""
+        return (self._kbuf, self._vbuf) if keys is self.keys and self._owns_views() else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, the spare slots included."""
+        if self._owns_views():
+            return sum(t.numel() * t.element_size() for t in (self._kbuf, self._vbuf))
+        tensors = (self.keys, self.values) if self.is_initialized else ()
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    def reset(self) -> None:
+        self._kbuf = self._vbuf = None
+        super().reset()
+
+
+def exact_kv_layer(cache: Cache, layer_idx: int) -> DynamicLayer | None:
+    """The :class:`ExactKVLayer` of softmax layer ``layer_idx`` in ``cache``, replacing an empty ``DynamicLayer``
+    by one; None when the entry is of another kind or already holds keys and values (it then keeps working as
+    it is, through SDPA)."""
+    if not isinstance(cache, Cache):
+        return None
+    layers = cache.layers
+    if cache.layer_class_to_replicate is not None:
+        while len(layers) <= layer_idx:
+            layers.append(cache.layer_class_to_replicate())
+    if layer_idx >= len(layers):
+        return None
+    entry = layers[layer_idx]
+    if isinstance(entry, ExactKVLayer):
+        return entry
+    if type(entry) is DynamicLayer and not entry.is_initialized:
+        layers[layer_idx] = ExactKVLayer()
+        return layers[layer_idx]
+    return None
+
+
 # Entries a converted layer may take over: empty dynamic ones (a window is meaningless for a kernel's state).
-_REPLACEABLE = (DynamicLayer, DynamicSlidingWindowLayer)
+_REPLACEABLE = (DynamicLayer, DynamicSlidingWindowLayer, ExactKVLayer)
 
 
 def kernel_state_layer(cache: Cache, layer_idx: int) -> KernelStateLayer:
@@ -234,7 +334,8 @@ class KernelCache(DynamicCache):
     """A ``DynamicCache`` whose converted layers are :class:`KernelStateLayer` from the start.
 
     ``KernelCache(model)`` for a model with attached kernels; layers with an exact-softmax kernel (and all others)
-    keep their keys and values. Passing it to ``generate(..., cache=cache)`` or ``model(..., cache=cache)`` is
+    keep their keys and values, in an :class:`ExactKVLayer` (grown in place, decoded by the fused softmax step).
+    Passing it to ``generate(..., cache=cache)`` or ``model(..., cache=cache)`` is
     optional (a fresh ``DynamicCache`` is taken over on first use), but it keeps a handle for inspection and
     memory accounting (:func:`cache_nbytes`)."""
 
@@ -243,14 +344,18 @@ class KernelCache(DynamicCache):
         from .hooks import attached_kernels
 
         super().__init__(config=model.config.get_text_config(decoder=True))
-        for layer, kernel in attached_kernels(model).items():
-            if not isinstance(kernel, SoftmaxKernel):
+        kernels = attached_kernels(model)
+        for layer in range(len(self.layers)):
+            kernel = kernels.get(layer)
+            if kernel is not None and not isinstance(kernel, SoftmaxKernel):
                 kernel_state_layer(self, layer)
+            elif kernels:
+                exact_kv_layer(self, layer)
 
 
 def layer_nbytes(entry: object) -> int:
     """Bytes held by one cache entry: the state of a :class:`KernelStateLayer`, the keys and values otherwise."""
-    if isinstance(entry, KernelStateLayer):
+    if isinstance(entry, (KernelStateLayer, ExactKVLayer)):
         return entry.nbytes
     tensors = [getattr(entry, "keys", None), getattr(entry, "values", None)]
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
