@@ -75,3 +75,35 @@ def test_sweep_writes_json_and_markdown(tmp_path):
     assert "| 2048 | converted | failed: killed by signal 9 (out of memory?) |" in md
     with pytest.raises(ValueError, match="methods"):
         run_sweep(DecodeConfig(), [16], tmp_path, methods=("fast",), runner=fake)
+
+
+def test_repeated_sweep_interleaves_rounds_and_reports_medians_and_ratios(tmp_path):
+    order, ms = [], iter([10.0, 5.0, 30.0, 20.0, 4.0, 12.0, 1.0])
+
+    def fake(method, n, config):
+        order.append((method, n))
+        if method == "converted" and n == 2048 and order.count(("converted", 2048)) == 1:
+            return {"method": method, "n": n, "error": "killed by signal 9 (out of memory?)"}
+        latency = next(ms)
+        return {"method": method, "n": n, "prefill_s": latency / 10, "ms_per_token": latency,
+                "tokens_per_s": 1e3 / latency, "cache_mb": 4.0 if method == "original" else 1.0,
+                "peak_rss_mb": 1000.0 + latency, "decode_peak_mb": 0.0, "times_ms": [latency]}  # fmt: skip
+
+    doc = run_sweep(DecodeConfig(), [1024, 2048], tmp_path, repeats=2, runner=fake)
+    # whole sweeps one after the other, N ascending, both models of a size side by side
+    assert order == [("original", 1024), ("converted", 1024), ("original", 2048), ("converted", 2048)] * 2
+    assert [r["round"] for r in doc["runs"]] == [0, 0, 0, 0, 1, 1, 1, 1]
+    pts = {(p["method"], p["n"]): p for p in doc["points"]}
+    # original at 1024 measured 10 then 20 (median 15); converted 5 then 4; converted 2048 failed once: 1 repeat
+    assert pts[("original", 1024)]["ms_per_token"] == 15.0 and pts[("original", 1024)]["repeats"] == 2
+    assert pts[("original", 1024)]["ms_per_token_range"] == [10.0, 20.0]
+    assert pts[("converted", 1024)]["ms_per_token"] == 4.5 and pts[("converted", 1024)]["peak_rss_mb"] == 1004.5
+    assert pts[("converted", 2048)]["ms_per_token"] == 1.0 and pts[("converted", 2048)]["repeats"] == 1
+    assert pts[("original", 2048)]["ms_per_token"] == 21.0  # 30 and 12
+    assert "times_ms" not in pts[("original", 1024)] and "round" not in pts[("original", 1024)]
+    md = (tmp_path / "decode.md").read_text()
+    assert md == markdown(doc) and "median over 2 rounds" in md
+    assert "| 1024 | 3.33× | 3.33× | 0.25× | 0.990× |" in md  # 1.5 / 0.45 s, 15 / 4.5 ms, 1 / 4 MB, 1004.5 / 1015
+    assert "| 2048 | 21.00× | 21.00× | 0.25× | 0.980× |" in md
+    with pytest.raises(ValueError, match="repeats: expected a positive integer"):
+        run_sweep(DecodeConfig(), [16], tmp_path, repeats=0, runner=fake)

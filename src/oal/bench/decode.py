@@ -212,34 +212,82 @@ DEFINITIONS = {
 }
 
 
+# fields of a point that the summary over repeats takes the median of
+_MEDIAN_FIELDS = (
+    "prefill_s",
+    "ms_per_token",
+    "mean_ms_per_token",
+    "min_ms_per_token",
+    "cache_mb",
+    "peak_rss_mb",
+    "decode_peak_mb",
+)
+
+
+def summarize(runs: list[dict[str, object]]) -> list[dict[str, object]]:
+    """One point per (method, N) from the repeated ``runs`` (in first-seen order): the median of each measured
+    field over the repeats that did not fail, ``tokens_per_s`` from the median latency, the repeats' range of
+    prefill and latency, ``repeats`` the count; an ``error`` when every repeat failed."""
+    groups: dict[tuple[str, int], list[dict[str, object]]] = {}
+    for run in runs:
+        groups.setdefault((run["method"], run["n"]), []).append(run)
+    points = []
+    for (method, n), group in groups.items():
+        ok = [r for r in group if not r.get("error")]
+        if not ok:
+            points.append({"method": method, "n": n, "error": group[-1]["error"], "repeats": 0})
+            continue
+        point = {k: v for k, v in ok[0].items() if k not in _MEDIAN_FIELDS and k not in ("times_ms", "round")}
+        for name in _MEDIAN_FIELDS:
+            if all(name in r for r in ok):
+                point[name] = statistics.median(float(r[name]) for r in ok)
+        point["tokens_per_s"] = 1e3 / point["ms_per_token"]
+        point["repeats"] = len(ok)
+        point["prefill_s_range"] = [min(r["prefill_s"] for r in ok), max(r["prefill_s"] for r in ok)]
+        point["ms_per_token_range"] = [min(r["ms_per_token"] for r in ok), max(r["ms_per_token"] for r in ok)]
+        points.append(point)
+    return points
+
+
 def run_sweep(
     config: DecodeConfig,
     sizes: list[int],
     out_dir: Path,
     *,
     methods: tuple[str, ...] = METHODS,
+    repeats: int = 1,
     on_point: Callable[[dict[str, object], int, int], None] | None = None,
     runner: Callable[[str, int, DecodeConfig], dict[str, object]] = run_point_subprocess,
 ) -> dict[str, object]:
-    """Measure ``methods × sizes`` (N ascending), writing ``decode.json`` after every point and the Markdown
-    report at the end; returns the result document. ``runner`` exists for tests."""
+    """Measure ``methods × sizes`` (N ascending), ``repeats`` rounds of it one after the other (so that the
+    methods of a size share the machine's load swings), writing ``decode.json`` after every point and the
+    Markdown report at the end; returns the result document: ``runs`` every point measured (with its ``round``),
+    ``points`` one per (method, N) — the point itself for one round, else :func:`summarize`'s medians.
+    ``runner`` exists for tests."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise ValueError(f"methods: expected names from {METHODS}, got {list(methods)}")
     if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
         raise ValueError(f"sizes: expected positive integers, got {sizes!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats: expected a positive integer, got {repeats!r}")
     doc: dict[str, object] = {
         "schema": SCHEMA,
         "config": asdict(config),
+        "repeats": repeats,
         "provenance": provenance(),
         "device": get_device(config.device).describe(),
         "definitions": DEFINITIONS,
         "points": [],
+        "runs": [],
     }
-    todo = [(m, n) for n in sorted(sizes) for m in methods]
-    for index, (method, n) in enumerate(todo, 1):
+    todo = [(r, m, n) for r in range(repeats) for n in sorted(sizes) for m in methods]
+    for index, (rnd, method, n) in enumerate(todo, 1):
         point = runner(method, n, config)
-        doc["points"].append(point)
+        doc["runs"].append({**point, "round": rnd})
+        doc["points"] = [dict(p) for p in doc["runs"]] if repeats == 1 else summarize(doc["runs"])
+        for p in doc["points"] if repeats == 1 else ():
+            p.pop("round")
         write_json(out_dir / RESULT_FILE, doc)
         if on_point:
             on_point(point, index, len(todo))
@@ -275,6 +323,28 @@ def table_rows(doc: dict) -> list[list[str]]:
 
 
 HEADER = ["N", "model", "prefill s", "ms/token", "tokens/s", "cache MB", "peak RSS MB", "decode peak MB"]
+RATIO_HEADER = ["N", "prefill speed-up", "decode speed-up", "cache ratio", "peak RSS ratio"]
+
+
+def ratio_rows(doc: dict) -> list[list[str]]:
+    """Per N with both models measured: original / converted prefill time and decode latency (> 1: the converted
+    model is faster), converted / original cache and peak RSS (< 1: it holds less)."""
+    pts = {(p["method"], p["n"]): p for p in doc["points"] if not p.get("error")}
+    rows = []
+    for n in sorted({n for _, n in pts}):
+        o, c = pts.get(("original", n)), pts.get(("converted", n))
+        if o is None or c is None:
+            continue
+        rows.append(
+            [
+                str(n),
+                f"{o['prefill_s'] / c['prefill_s']:.2f}×",
+                f"{o['ms_per_token'] / c['ms_per_token']:.2f}×",
+                f"{c['cache_mb'] / o['cache_mb']:.2f}×",
+                f"{c['peak_rss_mb'] / o['peak_rss_mb']:.3f}×",
+            ]
+        )
+    return rows
 
 
 def markdown(doc: dict) -> str:
@@ -296,6 +366,17 @@ def markdown(doc: dict) -> str:
         "|" + "---|" * len(HEADER),
     ]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(doc)]
+    ratios = ratio_rows(doc)
+    if ratios:
+        lines += ["", "| " + " | ".join(RATIO_HEADER) + " |", "|" + "---|" * len(RATIO_HEADER)]
+        lines += ["| " + " | ".join(row) + " |" for row in ratios]
+    repeats = doc.get("repeats", 1)
+    if repeats > 1:
+        lines += [
+            "",
+            f"Each figure is the median over {repeats} rounds (all of `methods × sizes` per round, each point in a "
+            "fresh process); every round's point is in decode.json under `runs`.",
+        ]
     lines += ["", "Definitions:", ""] + [f"- `{k}`: {v}" for k, v in doc["definitions"].items()]
     return "\n".join(lines) + "\n"
 

@@ -190,10 +190,22 @@ def bench_decode(
     threads: Annotated[int, typer.Option("--threads", help="torch threads per point.")] = 1,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds before a point's process is stopped.")] = 3600.0,
+    repeats: Annotated[
+        int, typer.Option("--repeats", help="Rounds of the whole sweep; the report takes each figure's median.")
+    ] = 1,
 ) -> None:
     """Decode latency and memory against the context length, original against converted model; each point in a
-    fresh process."""
-    from ..bench.decode import HEADER, QUICK_SIZES, DecodeConfig, check_buildable, run_sweep, table_rows
+    fresh process, the sweep repeated ``--repeats`` times (medians, with the ratios per context)."""
+    from ..bench.decode import (
+        HEADER,
+        QUICK_SIZES,
+        RATIO_HEADER,
+        DecodeConfig,
+        check_buildable,
+        ratio_rows,
+        run_sweep,
+        table_rows,
+    )
 
     try:
         config = DecodeConfig(
@@ -216,19 +228,21 @@ def bench_decode(
         method_list = tuple(m.strip() for m in methods.split(",") if m.strip())
         if not n_list or any(n < 1 for n in n_list):
             raise ValueError(f"sizes: expected positive integers, got {sizes!r}")
+        if repeats < 1:
+            raise ValueError(f"repeats: expected a positive integer, got {repeats}")
         check_buildable(config, method_list)
     except (ValueError, FileNotFoundError) as err:
         raise _bad(err) from err
     console = Console(stderr=True)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
-        task = progress.add_task("decode points", total=len(n_list) * len(method_list))
+        task = progress.add_task("decode points", total=len(n_list) * len(method_list) * repeats)
 
         def on_point(point: dict, index: int, total: int) -> None:
             progress.update(task, completed=index)
 
         try:
-            doc = run_sweep(config, n_list, out, methods=method_list, on_point=on_point)
+            doc = run_sweep(config, n_list, out, methods=method_list, repeats=repeats, on_point=on_point)
         except ValueError as err:
             raise _bad(err) from err
     table = Table(title="decode: per-token latency and memory")
@@ -237,6 +251,14 @@ def bench_decode(
     for row in table_rows(doc):
         table.add_row(*row)
     Console().print(table)
+    ratios = ratio_rows(doc)
+    if ratios:
+        table = Table(title="converted against original")
+        for name in RATIO_HEADER:
+            table.add_column(name, justify="right")
+        for row in ratios:
+            table.add_row(*row)
+        Console().print(table)
     console.print(f"wrote {out / 'decode.json'}, {out / 'decode.md'}")
 
 
