@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..ops.quadratic import cpu as cpu_kernels
 from .base import AttentionKernel, check_positions, repeat_kv
 from .oal import OALKernel, oal_attention, oal_coefficients, oal_factor
 from .sink_window import SinkWindowKernel
@@ -54,6 +55,22 @@ def _check_heads(exact_kv_heads: Iterable[int], num_kv_heads: int) -> tuple[int,
             f"exact_kv_heads: expected distinct KV head indices in [0, {num_kv_heads}), at least one, got {heads!r}"
         )
     return tuple(sorted(heads))
+
+
+def _fused_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor | None:
+    """``ExactHeadsKernel._exact_forward`` through the fused CPU kernel, or None where it does not apply (autograd,
+    not CPU, q not fp32, keys/values not fp32 or bf16, no extension)."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if v.dtype != k.dtype or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+        return None
+    ext = cpu_kernels.load("window")
+    if ext is None:
+        return None
+    B, Eg, N, d = q.shape
+    E = k.shape[1]
+    out = ext.exact_prefill(q.reshape(B, E, Eg // E, N, d).contiguous(), k.contiguous(), v.contiguous(), past, scale)
+    return out.view(B, Eg, N, v.shape[-1])
 
 
 class ExactHeadsKernel(AttentionKernel):
@@ -153,7 +170,14 @@ class ExactHeadsKernel(AttentionKernel):
         )
 
     def _exact_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
-        """Causal softmax of the N new queries ``q (B, Eg, N, d)`` over ``past`` cached + N new keys."""
+        """Causal softmax of the N new queries ``q (B, Eg, N, d)`` over ``past`` cached + N new keys ``k (B, E,
+        past + N, d)``, ``v`` (stored dtype: fp32, or bf16 with ``kv_dtype``). Without autograd on CPU fp32 it is
+        one fused call (``window.cpp``'s ``exact_prefill``: flash-style, each key read once for a KV head's query
+        heads); otherwise SDPA on the keys and values cast to q's dtype."""
+        fused = _fused_exact(q, k, v, past, self.scale)
+        if fused is not None:
+            return fused
+        k, v = k.to(q.dtype), v.to(q.dtype)
         n = q.shape[2]
         gqa = q.shape[1] != k.shape[1]
         if past == 0 or n == 1:
@@ -214,7 +238,7 @@ class ExactHeadsKernel(AttentionKernel):
             ke = torch.cat([sk[:, :, :past], ke], dim=2)
             ve = torch.cat([sv[:, :, :past], ve], dim=2)
         o = q.new_empty(q.shape[0], self.num_heads, q.shape[2], v.shape[-1])
-        o[:, self._exact_q] = self._exact_forward(q[:, self._exact_q], ke.to(q.dtype), ve.to(q.dtype), past).to(o.dtype)
+        o[:, self._exact_q] = self._exact_forward(q[:, self._exact_q], ke, ve, past).to(o.dtype)
         new_inner = None
         if self._kernel_q:
             rest = list(self.kernel_kv_heads)

@@ -31,7 +31,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = {kind: Path(__file__).with_name(f"{kind}.cpp") for kind in ("chunk", "decode", "window")}
-COMMON_HEADER = Path(__file__).with_name("common.h")  # helpers of decode.cpp and window.cpp
+# headers the sources include: helpers of decode.cpp and window.cpp, the tile product of chunk.cpp and window.cpp
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("common.h", "tiles.h"))
 _state: dict[str, ModuleType | None] = {}
 _enabled = [os.environ.get("OAL_CPU_KERNEL", "1") != "0"]
 
@@ -58,8 +59,8 @@ def load(kind: str = "chunk") -> ModuleType | None:
         source = SOURCES[kind]
         log.info("building the fused CPU kernel %s (first use: about a minute)", source.name)
         prefix = "oal_quadratic_cpu" if kind == "chunk" else f"oal_{kind}_cpu"
-        # torch rebuilds when a source or a flag changes, not a header: the shared header's hash is a flag
-        common = hashlib.sha256(COMMON_HEADER.read_bytes()).hexdigest()[:16]
+        # torch rebuilds when a source or a flag changes, not a header: the shared headers' hash is a flag
+        common = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
         try:
             _state[kind] = build(
                 # -march=native: one build per instruction set, so a shared cache never runs foreign code
@@ -68,7 +69,7 @@ def load(kind: str = "chunk") -> ModuleType | None:
                 # -ffp-contract=fast: the tile kernel's `acc += s * b` must compile to fused multiply-adds
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", f"-DOAL_COMMON_H={common}"],
                 extra_ldflags=["-fopenmp"],
-                extra_include_paths=[str(COMMON_HEADER.parent)],
+                extra_include_paths=[str(HEADERS[0].parent)],
                 verbose=False,
             )
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -26,6 +27,7 @@ namespace {
 using at::Tensor;
 
 #include "common.h"
+#include "tiles.h"
 
 // Per task: one KV head and a block of BLOCK queries. Its G·BLOCK query rows meet the sinks and the window keys
 // that cover the block (ext positions lo … hi-1) in GEMMs, with the mask, the maxima and the exponentials applied
@@ -237,9 +239,131 @@ std::vector<Tensor> window_backward(const Tensor& q, const Tensor& ext_k, const 
   return {dq, d_ext_k, d_ext_v, d_sink_k, d_sink_v, d_lm, d_ok};
 }
 
+
+// ------------------------------------------------------------------------------------------------------------------
+// Exact causal softmax of a prompt (the exact heads of ExactHeadsKernel over a prompt, ../../../kernels/hybrid.py):
+// for query head g of KV head h and new query i (position t0 + i), over the keys j ≤ t0 + i,
+//   out_i = Σ_j e^{s_ij - m_i} v_j / Σ_j e^{s_ij - m_i},   s_ij = scale · q_i · k_j,
+// as F.scaled_dot_product_attention computes it. Flash-style: per task one KV head and a block of EXACT_Q queries,
+// whose G · EXACT_Q rows (all query heads of the KV head: one pass over the keys serves them all) meet the keys in
+// blocks of EXACT_K with a running maximum and sum; both products run on the register tiles of tiles.h, the keys
+// (fp32 or bf16, widened here) packed into 16-key panels per block, the values into 16-column panels.
+constexpr int64_t EXACT_Q = 128, EXACT_K = 128;
+
+template <typename T>
+inline float widen(T x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {  // bf16 bits
+    uint32_t bits = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  }
+}
+
+template <typename T>
+void exact_block(const float* q, const T* K, const T* V, float* out, int64_t G, int64_t N, int64_t d, int64_t dv,
+                 int64_t t0, int64_t i_lo, float scale, std::vector<float>& work) {
+  const int64_t i_hi = std::min(N, i_lo + EXACT_Q), nq = i_hi - i_lo, rows = G * nq;
+  const int64_t panels_d = (dv + kTile - 1) / kTile, dvp = panels_d * kTile, keys = t0 + i_hi;
+  work.resize(rows * d + EXACT_K * d + EXACT_K * dvp + rows * EXACT_K + rows * dvp + 2 * rows);
+  float *Q = work.data(), *Kp = Q + rows * d, *Vp = Kp + EXACT_K * d, *S = Vp + EXACT_K * dvp, *acc = S + rows * EXACT_K;
+  float *m = acc + rows * dvp, *l = m + rows;
+  for (int64_t g = 0; g < G; ++g)  // rows in (g, i) order, scaled once
+    for (int64_t x = 0; x < nq; ++x)
+      for (int64_t c = 0; c < d; ++c) Q[(g * nq + x) * d + c] = scale * q[(g * N + i_lo + x) * d + c];
+  std::fill(acc, acc + rows * dvp, 0.f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.f);
+  for (int64_t j0 = 0; j0 < keys; j0 += EXACT_K) {
+    const int64_t nk = std::min(EXACT_K, keys - j0), panels_k = (nk + kTile - 1) / kTile;
+    // keys as (d, 16) panels, values as (nk, 16) panels; the last panel's missing keys are zero (masked below)
+    std::fill(Kp, Kp + panels_k * d * kTile, 0.f);
+    for (int64_t j = 0; j < nk; ++j) {
+      const T* kj = K + (j0 + j) * d;
+      float* kd = Kp + (j / kTile) * d * kTile + j % kTile;
+      for (int64_t c = 0; c < d; ++c) kd[c * kTile] = widen(kj[c]);
+    }
+    std::fill(Vp, Vp + panels_d * nk * kTile, 0.f);
+    for (int64_t j = 0; j < nk; ++j) {
+      const T* vj = V + (j0 + j) * dv;
+      for (int64_t c = 0; c < dv; ++c) Vp[(c / kTile) * nk * kTile + j * kTile + c % kTile] = widen(vj[c]);
+    }
+    for (int64_t r = 0; r < rows; r += kRows)
+      tile_rows(std::min(kRows, rows - r), Q + r * d, d, Kp, d * kTile, d, S + r * EXACT_K, kTile, EXACT_K, panels_k,
+                false);
+    // the causal mask (query t0 + i sees keys ≤ t0 + i), the running maximum and sum, the rescaled accumulator
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = S + r * EXACT_K;
+      const int64_t visible = std::clamp<int64_t>(t0 + i_lo + r % nq + 1 - j0, 0, nk);
+      for (int64_t j = visible; j < panels_k * kTile; ++j) sr[j] = -std::numeric_limits<float>::infinity();
+      const float mr = std::max(m[r], max_of(sr, visible));
+      if (mr == -std::numeric_limits<float>::infinity()) {  // no visible key yet: the row adds nothing
+        std::fill(sr, sr + panels_k * kTile, 0.f);
+        continue;
+      }
+      const float alpha = exp_nonpos(m[r] - mr);
+      l[r] = l[r] * alpha + exp_shifted(sr, panels_k * kTile, mr);
+      m[r] = mr;
+      if (alpha != 1.f)
+        for (int64_t c = 0; c < dvp; ++c) acc[r * dvp + c] *= alpha;
+    }
+    for (int64_t r = 0; r < rows; r += kRows)
+      tile_rows(std::min(kRows, rows - r), S + r * EXACT_K, EXACT_K, Vp, nk * kTile, nk, acc + r * dvp, kTile, dvp,
+                panels_d);
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t x = 0; x < nq; ++x) {
+      const int64_t r = g * nq + x;
+      const float inv = 1.f / l[r];
+      float* o = out + (g * N + i_lo + x) * dv;
+      for (int64_t c = 0; c < dv; ++c) o[c] = acc[r * dvp + c] * inv;
+    }
+}
+
+// q (B, Hkv, G, N, d) fp32: the new queries of each KV head's query heads; k (B, Hkv, t0 + N, d), v (…, dv) fp32 or
+// bf16: the keys and values of the t0 cached and the N new tokens. Returns out (B, Hkv, G, N, dv) fp32.
+Tensor exact_prefill(const Tensor& q, const Tensor& k, const Tensor& v, int64_t t0, double scale) {
+  check_f32(q, "q", 5);
+  const bool bf16 = k.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || k.scalar_type() == at::kFloat) && v.scalar_type() == k.scalar_type() && k.is_contiguous() &&
+                  v.is_contiguous() && k.dim() == 4 && v.dim() == 4 && k.device().is_cpu() && v.device().is_cpu(),
+              "k, v: expected contiguous CPU float32 or bfloat16 tensors of one dtype with 4 dimensions");
+  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), N = q.size(3), d = q.size(4), dv = v.size(3);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == Hkv && k.size(2) == t0 + N && k.size(3) == d && v.size(0) == B &&
+                  v.size(1) == Hkv && v.size(2) == t0 + N,
+              "k, v: expected (B, Hkv, t0 + N, ·) = (", B, ", ", Hkv, ", ", t0 + N, ", ·) keys and values");
+  Tensor out = at::empty({B, Hkv, G, N, dv}, q.options());
+  const int64_t nblk = (N + EXACT_Q - 1) / EXACT_Q, tasks = B * Hkv * nblk;
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // a contiguous range of tasks per thread: order the blocks 0, n-1, 1, n-2, … so that every range holds early
+  // (cheap) and late (expensive) causal blocks alike
+  auto block_of = [&](int64_t x) { return x % 2 ? nblk - 1 - x / 2 : x / 2; };
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / nblk, i_lo = block_of(task % nblk) * EXACT_Q;
+      const float* qh = qp + bh * G * N * d;
+      float* oh = op + bh * G * N * dv;
+      if (bf16) {
+        const auto* kb = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()) + bh * (t0 + N) * d;
+        const auto* vb = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()) + bh * (t0 + N) * dv;
+        exact_block(qh, kb, vb, oh, G, N, d, dv, t0, i_lo, float(scale), work);
+      } else {
+        exact_block(qh, k.data_ptr<float>() + bh * (t0 + N) * d, v.data_ptr<float>() + bh * (t0 + N) * dv, oh, G, N,
+                    d, dv, t0, i_lo, float(scale), work);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("window_combine", &window_combine, "Fused CPU exact part of the sink/window operator (one segment)");
   m.def("window_backward", &window_backward, "Gradients of window_combine");
+  m.def("exact_prefill", &exact_prefill, "Exact causal softmax of a prompt's queries (flash-style, GQA-shared keys)");
 }

@@ -1,0 +1,97 @@
+"""The fused exact causal softmax over a prompt (window.cpp's exact_prefill, the exact heads' prefill of
+ExactHeadsKernel) against an fp64 explicit softmax: lengths 1 / 63 / 1000, GQA 1 and 3, cached keys before the
+prompt, fp32 and bf16 keys/values, odd head dims, hypothesis shapes; and the kernel's no-grad call reaching it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import oal.kernels.hybrid as hybrid
+from oal.kernels import ExactHeadsKernel, OALKernel
+from oal.ops.quadratic import cpu as cpu_kernel
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernel.load("window") is None, reason="the fused CPU window kernel did not build (no C++ compiler?)"
+)
+
+
+def inputs(B, E, G, N, past, d, dv, kv_dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, E, G, N, d, generator=gen)
+    k = (torch.randn(B, E, past + N, d, generator=gen) * 2).to(kv_dtype)
+    v = torch.randn(B, E, past + N, dv, generator=gen).to(kv_dtype)
+    return q, k, v
+
+
+def explicit(q, k, v, past, scale):
+    """fp64: query i of head (h, g) over keys j ≤ past + i of KV head h."""
+    B, E, G, N, d = q.shape
+    s = torch.einsum("begnc,bejc->begnj", q.double(), k.double()) * scale
+    mask = torch.arange(past + N)[None, :] <= (past + torch.arange(N))[:, None]
+    w = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.einsum("begnj,bejc->begnc", w, v.double())
+
+
+@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("N", [1, 63, 1000])
+@pytest.mark.parametrize("past", [0, 37])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_matches_explicit_softmax(G, N, past, kv_dtype):
+    q, k, v = inputs(2, 2, G, N, past, 64, 64, kv_dtype)
+    out = cpu_kernel.load("window").exact_prefill(q, k, v, past, 0.125)
+    assert out.shape == (2, 2, G, N, 64) and out.dtype == torch.float32
+    # bf16 keys/values are used as stored: the reference sees the same rounded numbers
+    torch.testing.assert_close(out.double(), explicit(q, k, v, past, 0.125), rtol=2e-5, atol=2e-5)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    B=st.integers(1, 2),
+    E=st.integers(1, 3),
+    G=st.sampled_from([1, 2, 3, 5]),
+    N=st.integers(1, 300),
+    past=st.integers(0, 140),
+    d=st.sampled_from([8, 17, 64, 128]),
+    dv=st.sampled_from([8, 9, 64]),
+)
+def test_any_shape(B, E, G, N, past, d, dv):
+    q, k, v = inputs(B, E, G, N, past, d, dv, seed=N + past)
+    out = cpu_kernel.load("window").exact_prefill(q, k, v, past, d**-0.5)
+    torch.testing.assert_close(out.double(), explicit(q, k, v, past, d**-0.5), rtol=2e-5, atol=2e-5)
+
+
+def test_bad_inputs_are_named():
+    ext = cpu_kernel.load("window")
+    q, k, v = inputs(1, 2, 3, 10, 0, 8, 8)
+    with pytest.raises(RuntimeError, match="k, v: expected"):
+        ext.exact_prefill(q, k, v, 4, 0.1)  # 10 keys for past 4 + 10 queries
+    with pytest.raises(RuntimeError, match="k, v: expected contiguous"):
+        ext.exact_prefill(q, k.double(), v.double(), 0, 0.1)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16])
+def test_exact_heads_kernel_no_grad_call_takes_it_and_equals_the_sdpa_path(monkeypatch, kv_dtype):
+    calls = []
+    fused = hybrid._fused_exact
+
+    def spy(*args):
+        out = fused(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(hybrid, "_fused_exact", spy)
+    gen = torch.Generator().manual_seed(0)
+    inner = OALKernel(torch.randint(0, 3, (9, 64), generator=gen), 3, L=torch.randn(9, 4, 4, generator=gen) * 0.3)
+    m = ExactHeadsKernel(inner, [0, 2], kv_dtype=kv_dtype)
+    q, k, v = (torch.randn(1, h, 150, 64, generator=gen) for h in (9, 3, 3))
+    with torch.no_grad():
+        o1, state = m(q[:, :, :90], k[:, :, :90], v[:, :, :90], output_final_state=True)
+        o2, _ = m(q[:, :, 90:], k[:, :, 90:], v[:, :, 90:], initial_state=state, output_final_state=True)
+    assert calls == [True, True]
+    q.requires_grad_()
+    o_ref, _ = m(q, k, v)  # autograd: SDPA
+    assert calls[-1] is False
+    torch.testing.assert_close(torch.cat([o1, o2], 2), o_ref.detach(), rtol=1e-5, atol=1e-5)
