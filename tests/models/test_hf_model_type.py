@@ -106,7 +106,11 @@ def test_without_import_oal_remote_code_loads_it_and_a_missing_package_is_named(
     out = save_converted(model, tmp_path / "m")
     want = logits(model, IDS)
     torch.save(want, tmp_path / "want.pt")
-    load = f"from transformers import AutoModelForCausalLM as A; import torch; p = {str(out)!r}"
+    # the same thread count as this process: a product's summation order may depend on it (bit-identity is asked)
+    load = (
+        "from transformers import AutoModelForCausalLM as A; import torch; "
+        f"torch.set_num_threads({torch.get_num_threads()}); p = {str(out)!r}"
+    )
     refused = _run(f"{load}; A.from_pretrained(p)")
     assert refused.returncode != 0 and "trust_remote_code=True" in refused.stderr
     ok = _run(
