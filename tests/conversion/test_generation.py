@@ -245,24 +245,3 @@ def test_exact_kv_layer_writes_in_place_and_keeps_dynamic_layer_semantics():
     assert layer.buffers(keys) is not None and torch.equal(keys[0, :, -1:], new[1][0][0])
     layer.reset()
     assert layer.get_seq_length() == 0 and layer.nbytes == 0
-
-
-def test_prompts_give_the_heap_back_after_every_layer_and_decode_steps_do_not(make_model, monkeypatch):
-    import oal.models.hooks as hooks
-
-    calls = []
-    monkeypatch.setattr(hooks, "_MALLOC_TRIM", lambda pad: calls.append(pad))
-    model = convert(make_model(), "oal")
-    cache = KernelCache(model)
-    with torch.no_grad():
-        model(prompt(2, 9), cache=cache)
-        assert calls == [0] * 4  # one per decoder layer, softmax layers included
-        model(prompt(2, 1), cache=cache)
-        assert len(calls) == 4  # a decode step allocates nothing prompt-sized
-    model(prompt(1, 9))  # autograd: the activations are kept anyway
-    assert len(calls) == 4
-    detach_kernel(model, 1)
-    detach_kernel(model, 2)
-    with torch.no_grad():
-        model(prompt(1, 9))
-    assert len(calls) == 4  # no kernel left: no hooks

@@ -8,11 +8,6 @@ Every (model, N) point runs in a fresh interpreter (``python -m oal.bench.decode
 3. ``warmup`` greedy decode steps, then ``steps`` timed ones, each a forward of one token on the cache
    (``time.perf_counter``, device synchronised); ``ms_per_token`` is their median.
 
-``--repeats R`` runs the whole sweep R times, round after round (the two models of a size one after the other
-in every round, so that they share the machine's swings — ±30 % between minutes on the 2-core CPU machine), and
-reports each figure's median over the rounds with its range; the Markdown report adds the converted model's
-ratios against the original per context.
-
 Memory: ``cache_mb`` is the bytes the cache holds after the last step (keys and values of softmax layers,
 kernel states of converted ones: :func:`oal.models.state_cache.cache_nbytes`); ``peak_rss_mb`` the process's peak
 resident set up to the end of the prefill (VmHWM; on CUDA the allocator's peak), ``decode_peak_mb`` the peak

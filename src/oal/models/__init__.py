@@ -33,7 +33,7 @@ from .loading import (
     resolve_model,
     smollm2_cache_dir,
 )
-from .state_cache import ExactKVLayer, KernelCache, KernelStateLayer, cache_nbytes
+from .state_cache import KernelCache, KernelStateLayer, cache_nbytes
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -41,7 +41,6 @@ __all__ = [
     "SMOLLM2_NAME",
     "AttentionSpec",
     "KernelCache",
-    "ExactKVLayer",
     "KernelStateLayer",
     "ModelSource",
     "QKVRecorder",

@@ -29,10 +29,7 @@ row what that sequence alone gives; packed sequences, sliding windows, softcappi
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -46,7 +43,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..kernels.base import AttentionKernel, SoftmaxKernel
 from ..kernels.decode import decode_step, softmax_decode_step
 from ..ops.quadratic import cpu as cpu_kernels
-from .architecture import attention_spec, check_layer, get_attention_modules, get_decoder_layers
+from .architecture import attention_spec, check_layer, get_attention_modules
 from .state_cache import KernelStateLayer, RowStates, exact_kv_layer, kernel_state_layer
 
 ATTN_IMPLEMENTATION = "oal"
@@ -314,38 +311,6 @@ def _plain_causal(attention_mask: torch.Tensor | None, n: int, past: int) -> boo
         return False
 
 
-def _libc_malloc_trim():
-    """glibc's ``malloc_trim``, or None (another C library, or none to load)."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _libc_malloc_trim() if sys.platform.startswith("linux") else None
-
-
-def _release_heap(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-    """Forward hook of each decoder layer of a model with a kernel: after a layer over a prompt (output
-    ``(B, N > 1, ·)``) on CPU without autograd, give the heap's free pages back to the system.
-
-    A layer's prompt-sized temporaries (the MLP's, the kernels') are freed between longer-lived allocations (the
-    cache's tensors), and glibc raises its mmap threshold on such frees, so the heap fragments and cannot shrink:
-    a converted SmolLM2's 1k prefill peaked 20–45 MB higher than with the free pages returned after every layer
-    (and varied by as much between identical runs). ``malloc_trim(0)`` returns every free page, in well under a
-    millisecond here."""
-    hidden = output[0] if isinstance(output, tuple) else output
-    if (
-        _MALLOC_TRIM is not None
-        and isinstance(hidden, torch.Tensor)
-        and hidden.dim() == 3
-        and hidden.shape[1] > 1
-        and hidden.device.type == "cpu"
-        and not torch.is_grad_enabled()
-    ):
-        _MALLOC_TRIM(0)
-
-
 def oal_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -433,10 +398,10 @@ def _forget_state_layer(module: nn.Module, args: tuple, kwargs: dict, output: ob
 
 def _sync_cache_hooks(model: PreTrainedModel) -> None:
     """The cache hooks on every attention module while any layer has a kernel (softmax layers too: their entries
-    become :class:`ExactKVLayer`) and the heap release after every decoder layer, on none otherwise."""
+    become :class:`ExactKVLayer`), on none otherwise."""
     modules = get_attention_modules(model)
     needed = any(getattr(m, KERNEL_ATTR, None) is not None for m in modules)
-    for module, layer in zip(modules, get_decoder_layers(model), strict=True):
+    for module in modules:
         handles = getattr(module, _HOOKS_ATTR, None)
         if needed and handles is None:
             setattr(
@@ -445,7 +410,6 @@ def _sync_cache_hooks(model: PreTrainedModel) -> None:
                 (
                     module.register_forward_pre_hook(_find_state_layer, with_kwargs=True),
                     module.register_forward_hook(_forget_state_layer, with_kwargs=True, always_call=True),
-                    layer.register_forward_hook(_release_heap, with_kwargs=True),
                 ),
             )
         elif not needed and handles is not None:

@@ -649,8 +649,8 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
     off[hq * (d + 1) + P] = d;
     classes[hq] = P;
   }
-  Scratch qc(B * Hq * N * d), kp(B * Hq * Np * d), up(B * Hkv * tiles * Np * kTile), om(B * Hkv * Np),
-      counts(B * Hkv * N);
+  std::vector<float> qc(B * Hq * N * d), kp(B * Hq * Np * d, 0.f), up(B * Hkv * tiles * Np * kTile, 0.f);
+  std::vector<float> om(B * Hkv * Np, 0.f), counts(B * Hkv * N);
   at::parallel_for(0, B * Hq, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t bq = lo; bq < hi; ++bq) {
       const int64_t hq = bq % Hq, bh = bq / Hq * Hkv + hq / G;
@@ -734,7 +734,7 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
     final = at::empty({B, Hkv, D, dv + 1}, f32);
     float* FIN = final.data_ptr<float>();
     // doubled [k, 1] per KV head, token-contiguous: yk[r·N + j], r < 2e
-    Scratch yk(B * Hkv * 2 * e * N);
+    std::vector<float> yk(B * Hkv * 2 * e * N);
     at::parallel_for(0, B * Hkv, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t bh = lo; bh < hi; ++bh) {
         float* y = yk.data() + bh * 2 * e * N;

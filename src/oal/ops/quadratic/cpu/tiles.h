@@ -3,47 +3,6 @@
 // a (rows, kdim) · b (kdim, panels), with b's panels contiguous (kdim, 16) blocks.
 #pragma once
 
-#if defined(__unix__)
-#include <sys/mman.h>
-#endif
-#include <vector>
-
-// A zero-filled float scratch buffer for one call. Large ones (≥ 1 MiB) are their own anonymous mapping, given back
-// to the system when the call ends: through malloc, their frees raise glibc's dynamic mmap threshold and later
-// allocations of the model (the cache's tensors among them) land between the freed blocks on the heap, which then
-// cannot shrink (a converted SmolLM2's 1k prefill peaked 20-45 MB higher that way).
-class Scratch {
- public:
-  explicit Scratch(int64_t n) : n_(n) {
-#if defined(__unix__)
-    if (n * int64_t(sizeof(float)) >= (int64_t(1) << 20)) {
-      void* p = mmap(nullptr, n * sizeof(float), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (p != MAP_FAILED) {
-        mapped_ = static_cast<float*>(p);
-        return;
-      }
-    }
-#endif
-    small_.assign(n, 0.f);
-  }
-  ~Scratch() {
-#if defined(__unix__)
-    if (mapped_) munmap(mapped_, n_ * sizeof(float));
-#endif
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  float* data() { return mapped_ ? mapped_ : small_.data(); }
-  const float* data() const { return mapped_ ? mapped_ : small_.data(); }
-  float& operator[](int64_t i) { return data()[i]; }
-  const float& operator[](int64_t i) const { return data()[i]; }
-
- private:
-  int64_t n_;
-  float* mapped_ = nullptr;
-  std::vector<float> small_;
-};
-
 // sixteen floats (one AVX-512 register); aligned(4) makes loads and stores through it unaligned ones, may_alias lets
 // it read float arrays
 typedef float vec16 __attribute__((vector_size(64), aligned(4), __may_alias__));
