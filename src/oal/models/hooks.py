@@ -6,7 +6,10 @@ same masks as with ``"sdpa"``. For every attention call it looks at the calling 
 
 * if a kernel is attached (:func:`attach_kernel`, stored as the submodule ``self_attn.oal_kernel``), the kernel
   computes the attention output from the post-RoPE q and un-repeated k, v in place of softmax;
-* otherwise it calls transformers' ``sdpa_attention_forward`` unchanged, so logits are identical to ``"sdpa"``;
+* otherwise it calls transformers' ``sdpa_attention_forward`` unchanged, so logits are identical to ``"sdpa"`` —
+  except for the one-token steps of a softmax layer whose cache entry is an
+  :class:`oal.models.state_cache.ExactKVLayer` (the softmax layers of a model with kernels, on CPU fp32): those run
+  the fused exact step of :func:`oal.kernels.decode.softmax_decode_step` (the same softmax, another summation order);
 * if a :func:`capture_qkv` recorder is active on the module, q, k, v (and optionally the output) are recorded.
 
 The model is switched to ``"oal"`` only while a kernel is attached or a capture is running, and switched back to
@@ -326,12 +329,16 @@ def oal_attention_forward(
     with a recurrent kernel, N_kv = N (the new tokens; the past is in the cached state)."""
     kernel = getattr(module, KERNEL_ATTR, None)
     out = weights = None
-    if kernel is None and not dropout and not any(kwargs.get(name) is not None for name in _SOFTMAX_KWARGS):
-        n = query.shape[2]
-        if _plain_causal(attention_mask, n, key.shape[2] - n):
-            out = _softmax_decode(
-                module, query, key, value, True, float(scaling if scaling is not None else module.scaling)
-            )
+    if (
+        kernel is None
+        and query.shape[2] == 1  # a one-token step (a prompt stays on SDPA)
+        and not dropout
+        and not any(kwargs.get(name) is not None for name in _SOFTMAX_KWARGS)
+        and _plain_causal(attention_mask, 1, key.shape[2] - 1)
+    ):
+        out = _softmax_decode(
+            module, query, key, value, True, float(scaling if scaling is not None else module.scaling)
+        )
     if kernel is None and out is None:
         out, weights = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
