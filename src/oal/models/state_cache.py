@@ -282,21 +282,22 @@ def exact_kv_layer(cache: Cache, layer_idx: int) -> DynamicLayer | None:
     """The :class:`ExactKVLayer` of softmax layer ``layer_idx`` in ``cache``, replacing an empty ``DynamicLayer``
     by one; None when the entry is of another kind or already holds keys and values (it then keeps working as
     it is, through SDPA)."""
-    if not isinstance(cache, Cache):
-        return None
+    entry = _entry(cache, layer_idx) if isinstance(cache, Cache) else None
+    if isinstance(entry, ExactKVLayer):
+        return entry
+    if type(entry) is DynamicLayer and not entry.is_initialized:
+        cache.layers[layer_idx] = ExactKVLayer()
+        return cache.layers[layer_idx]
+    return None
+
+
+def _entry(cache: Cache, layer_idx: int) -> CacheLayerMixin | None:
+    """Entry ``layer_idx`` of ``cache`` (a lazily grown cache first gets its entries up to it); None past its end."""
     layers = cache.layers
     if cache.layer_class_to_replicate is not None:
         while len(layers) <= layer_idx:
             layers.append(cache.layer_class_to_replicate())
-    if layer_idx >= len(layers):
-        return None
-    entry = layers[layer_idx]
-    if isinstance(entry, ExactKVLayer):
-        return entry
-    if type(entry) is DynamicLayer and not entry.is_initialized:
-        layers[layer_idx] = ExactKVLayer()
-        return layers[layer_idx]
-    return None
+    return layers[layer_idx] if layer_idx < len(layers) else None
 
 
 # Entries a converted layer may take over: empty dynamic ones (a window is meaningless for a kernel's state).
@@ -310,18 +311,14 @@ def kernel_state_layer(cache: Cache, layer_idx: int) -> KernelStateLayer:
     ran softmax) or is of another kind (e.g. a static cache)."""
     if not isinstance(cache, Cache):
         raise ValueError(f"cache: expected a transformers Cache, got {type(cache).__name__}")
-    layers = cache.layers
-    if cache.layer_class_to_replicate is not None:
-        while len(layers) <= layer_idx:
-            layers.append(cache.layer_class_to_replicate())
-    if layer_idx >= len(layers):
-        raise ValueError(f"cache: expected an entry for layer {layer_idx}, got a cache of {len(layers)} layers")
-    entry = layers[layer_idx]
+    entry = _entry(cache, layer_idx)
+    if entry is None:
+        raise ValueError(f"cache: expected an entry for layer {layer_idx}, got a cache of {len(cache.layers)} layers")
     if isinstance(entry, KernelStateLayer):
         return entry
     if type(entry) in _REPLACEABLE and not entry.is_initialized:
-        layers[layer_idx] = KernelStateLayer()
-        return layers[layer_idx]
+        cache.layers[layer_idx] = KernelStateLayer()
+        return cache.layers[layer_idx]
     what = "holds keys and values" if getattr(entry, "is_initialized", False) else "is not a dynamic cache layer"
     raise ValueError(
         f"cache: layer {layer_idx} has a kernel, so its cache entry must keep the kernel's recurrent state, but the "
