@@ -8,8 +8,10 @@ within-chunk squares, normalisation, each a separate pass and a Python dispatch)
 of the FMA peak on the AMD CPU we measure on (``benchmarks/cpu_peak.py``, ``docs/results/bench/README.md``).
 ``chunk.cpp`` does the same arithmetic in one register-tiled kernel of its own, with each thread owning a slice of
 the state and the features generated block by block in cache, not written out. It is built with
-``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed; the build is cached by torch, about a
-minute the first time) and used automatically by :func:`oal.ops.quadratic.chunk.chunk_quadratic_attention` when
+``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed; about a minute the first time) into a
+directory named by a hash of its sources, headers, flags and the torch version; later processes import the built
+library directly, without ``torch.utils.cpp_extension`` (whose import alone adds ~4 MB of resident memory and
+setuptools to every process running a converted model). It is used automatically by :func:`oal.ops.quadratic.chunk.chunk_quadratic_attention` when
 the inputs are CPU fp32 / bf16 / fp16 and a :class:`~oal.ops.quadratic.utils.KernelFactor` is given (with
 gradients also for fp64: the forward then runs on the torch loop, the backward in fp64). If a build fails, a
 warning is logged once and the torch path runs.
@@ -19,8 +21,10 @@ warning is logged once and the torch path runs.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +37,8 @@ log = logging.getLogger(__name__)
 SOURCES = {kind: Path(__file__).with_name(f"{kind}.cpp") for kind in ("chunk", "decode", "window")}
 # headers the sources include: helpers of decode.cpp and window.cpp, the tile product of chunk.cpp and window.cpp
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("common.h", "tiles.h"))
+# written into a build's directory once torch's build returned: a library without it may be half-written
+BUILT_MARKER = "oal-built"
 _state: dict[str, ModuleType | None] = {}
 _enabled = [os.environ.get("OAL_CPU_KERNEL", "1") != "0"]
 
@@ -48,32 +54,71 @@ def disabled() -> Iterator[None]:
         _enabled[0] = previous
 
 
+def _root() -> Path:
+    """Where builds go: ``TORCH_EXTENSIONS_DIR`` if set (as torch reads it), else ``~/.cache/torch_extensions``."""
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torch_extensions"
+    return base / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+
+
+def build_spec(kind: str) -> tuple[str, list[str]]:
+    """The extension's module name and compiler flags. The name ends in a hash of the source, the shared headers,
+    the flags and the torch version, so that a changed header (which torch's own check does not see) or another
+    checkout's sources never reuse a build, and a present build of this name is this code's."""
+    prefix = "oal_quadratic_cpu" if kind == "chunk" else f"oal_{kind}_cpu"
+    # -march=native: one build per instruction set, so a shared cache never runs foreign code;
+    # -ffp-contract=fast: the tile kernel's `acc += s * b` must compile to fused multiply-adds
+    flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+    digest = hashlib.sha256(SOURCES[kind].read_bytes())
+    for header in HEADERS:
+        digest.update(header.read_bytes())
+    digest.update(" ".join([*flags, torch.__version__]).encode())
+    cap = torch.backends.cpu.get_cpu_capability().lower()
+    return f"{prefix}_{cap}_{digest.hexdigest()[:12]}", flags
+
+
+def _import_built(name: str, directory: Path) -> ModuleType | None:
+    """The library built earlier under ``directory`` (its completion marker present), imported without
+    ``torch.utils.cpp_extension``; None if there is none."""
+    library = directory / f"{name}{'.pyd' if sys.platform == 'win32' else '.so'}"  # as torch names it
+    if not (directory / BUILT_MARKER).is_file() or not library.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(kind: str, name: str, flags: list[str], directory: Path) -> ModuleType:
+    from torch.utils.cpp_extension import load as build
+
+    log.info("building the fused CPU kernel %s (first use: about a minute)", SOURCES[kind].name)
+    directory.mkdir(parents=True, exist_ok=True)
+    module = build(
+        name=name,
+        sources=[str(SOURCES[kind])],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(HEADERS[0].parent)],
+        build_directory=str(directory),
+        verbose=False,
+    )
+    (directory / BUILT_MARKER).touch()
+    return module
+
+
 def load(kind: str = "chunk") -> ModuleType | None:
     """The compiled extension ``kind`` (``"chunk"``, ``"decode"`` or ``"window"``), building it on the first
     call; None if disabled or if the build failed."""
     if not _enabled[0]:
         return None
     if kind not in _state:
-        from torch.utils.cpp_extension import load as build
-
-        source = SOURCES[kind]
-        log.info("building the fused CPU kernel %s (first use: about a minute)", source.name)
-        prefix = "oal_quadratic_cpu" if kind == "chunk" else f"oal_{kind}_cpu"
-        # torch rebuilds when a source or a flag changes, not a header: the shared headers' hash is a flag
-        common = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+        name, flags = build_spec(kind)
+        directory = _root() / name
         try:
-            _state[kind] = build(
-                # -march=native: one build per instruction set, so a shared cache never runs foreign code
-                name=f"{prefix}_{torch.backends.cpu.get_cpu_capability().lower()}",
-                sources=[str(source)],
-                # -ffp-contract=fast: the tile kernel's `acc += s * b` must compile to fused multiply-adds
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", f"-DOAL_COMMON_H={common}"],
-                extra_ldflags=["-fopenmp"],
-                extra_include_paths=[str(HEADERS[0].parent)],
-                verbose=False,
-            )
+            _state[kind] = _import_built(name, directory) or _build(kind, name, flags, directory)
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
-            log.warning("fused CPU kernel %s unavailable, using the torch path: %s", source.name, exc)
+            log.warning("fused CPU kernel %s unavailable, using the torch path: %s", SOURCES[kind].name, exc)
             _state[kind] = None
     return _state[kind]
 
