@@ -22,7 +22,8 @@ def test_a_built_kernel_loads_without_cpp_extension():
         "import sys\n"
         "from oal.ops.quadratic import cpu\n"
         "mods = [cpu.load(k) for k in cpu.SOURCES]\n"
-        "print(all(m is not None for m in mods), 'torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)\n"
+        "print(all(m is not None for m in mods), 'torch.utils.cpp_extension' in sys.modules,"
+        " 'setuptools' in sys.modules)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], env=os.environ.copy(), capture_output=True, text=True, check=True

@@ -11,10 +11,10 @@ the state and the features generated block by block in cache, not written out. I
 ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed; about a minute the first time) into a
 directory named by a hash of its sources, headers, flags and the torch version; later processes import the built
 library directly, without ``torch.utils.cpp_extension`` (whose import alone adds ~4 MB of resident memory and
-setuptools to every process running a converted model). It is used automatically by :func:`oal.ops.quadratic.chunk.chunk_quadratic_attention` when
-the inputs are CPU fp32 / bf16 / fp16 and a :class:`~oal.ops.quadratic.utils.KernelFactor` is given (with
-gradients also for fp64: the forward then runs on the torch loop, the backward in fp64). If a build fails, a
-warning is logged once and the torch path runs.
+setuptools to every process running a converted model). It is used automatically by
+:func:`oal.ops.quadratic.chunk.chunk_quadratic_attention` when the inputs are CPU fp32 / bf16 / fp16 and a
+:class:`~oal.ops.quadratic.utils.KernelFactor` is given (with gradients also for fp64: the forward then runs on the
+torch loop, the backward in fp64). If a build fails, a warning is logged once and the torch path runs.
 ``OAL_CPU_KERNEL=0`` disables it.
 """
 
