@@ -10,7 +10,8 @@ Every (model, N) point runs in a fresh interpreter (``python -m oal.bench.decode
 
 Memory: ``cache_mb`` is the bytes the cache holds after the last step (keys and values of softmax layers,
 kernel states of converted ones: :func:`oal.models.state_cache.cache_nbytes`); ``peak_rss_mb`` the process's peak
-resident set up to the end of the prefill (VmHWM; on CUDA the allocator's peak), ``decode_peak_mb`` the peak
+resident set up to the end of the prefill (VmHWM; on CUDA the allocator's peak), ``heap_kept_mb`` how much of
+the resident set at that point is freed heap glibc keeps (no data: fragmentation), ``decode_peak_mb`` the peak
 above the resident memory before the decode steps, during them. Converted OAL layers use synthetic groups when
 no ``groups``/``calibrated`` file is given (the last two dimensions of each head in a second group): the
 recurrent OAL step costs the same for any grouping, since its packed state and coefficients have fixed sizes.
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..io import provenance, write_json, write_text
-from .devices import PROC_STATUS, get_device
+from .devices import PROC_STATUS, get_device, heap_kept_bytes
 from .machine import parse_dtype
 from .op import _child_env, _describe_failure
 
@@ -151,6 +152,7 @@ def run_point(method: str, n: int, config: DecodeConfig) -> dict[str, object]:
         device.synchronize()
         prefill_s = time.perf_counter() - start
         peak_rss = _process_peak_bytes(device.kind, device.device)
+        kept = heap_kept_bytes() if device.kind == "cpu" else None
         token = out.logits[:, -1:].argmax(-1)
         times: list[float] = []
 
@@ -177,6 +179,7 @@ def run_point(method: str, n: int, config: DecodeConfig) -> dict[str, object]:
         "tokens_per_s": 1.0 / median,
         "cache_mb": cache_nbytes(cache) / MB,
         "peak_rss_mb": peak_rss / MB,
+        "heap_kept_mb": None if kept is None else kept / MB,
         "decode_peak_mb": memory.peak_bytes / MB,
         "times_ms": [t * 1e3 for t in times],
         "device": device.kind,
@@ -209,6 +212,9 @@ DEFINITIONS = {
     "peak_rss_mb": "peak resident set of the point's process (model, inputs, prefill) up to the end of the "
     "prefill (VmHWM); on CUDA torch.cuda.max_memory_allocated",
     "decode_peak_mb": "peak memory above the resident memory before the decode steps, during them",
+    "heap_kept_mb": "freed heap glibc's malloc keeps at the end of the prefill (mallinfo2 fordblks; CPU, glibc): "
+    "resident memory inside peak_rss_mb that holds no data; it differs between runs of the same model by tens of MB "
+    "(the order of past allocations), so peak RSS differences of that size are allocator noise",
 }
 
 
@@ -221,6 +227,7 @@ _MEDIAN_FIELDS = (
     "cache_mb",
     "peak_rss_mb",
     "decode_peak_mb",
+    "heap_kept_mb",
 )
 
 
@@ -239,7 +246,7 @@ def summarize(runs: list[dict[str, object]]) -> list[dict[str, object]]:
             continue
         point = {k: v for k, v in ok[0].items() if k not in _MEDIAN_FIELDS and k not in ("times_ms", "round")}
         for name in _MEDIAN_FIELDS:
-            if all(name in r for r in ok):
+            if all(r.get(name) is not None for r in ok):
                 point[name] = statistics.median(float(r[name]) for r in ok)
         point["tokens_per_s"] = 1e3 / point["ms_per_token"]
         point["repeats"] = len(ok)
@@ -300,12 +307,12 @@ def _fmt(x: object, digits: int = 1) -> str:
 
 
 def table_rows(doc: dict) -> list[list[str]]:
-    """Rows of the report table: N, model, prefill s, ms/token, tokens/s, cache MB, peak RSS MB, decode peak MB
-    (an error in place of the numbers for a failed point)."""
+    """Rows of the report table: N, model, prefill s, ms/token, tokens/s, cache MB, peak RSS MB, decode peak MB,
+    kept heap MB (an error in place of the numbers for a failed point)."""
     rows = []
     for p in doc["points"]:
         if p.get("error"):
-            rows.append([str(p["n"]), p["method"], f"failed: {p['error']}", "", "", "", "", ""])
+            rows.append([str(p["n"]), p["method"], f"failed: {p['error']}", "", "", "", "", "", ""])
             continue
         rows.append(
             [
@@ -317,12 +324,23 @@ def table_rows(doc: dict) -> list[list[str]]:
                 _fmt(p["cache_mb"], 1),
                 _fmt(p["peak_rss_mb"], 0),
                 _fmt(p["decode_peak_mb"], 1),
+                _fmt(p.get("heap_kept_mb"), 0),
             ]
         )
     return rows
 
 
-HEADER = ["N", "model", "prefill s", "ms/token", "tokens/s", "cache MB", "peak RSS MB", "decode peak MB"]
+HEADER = [
+    "N",
+    "model",
+    "prefill s",
+    "ms/token",
+    "tokens/s",
+    "cache MB",
+    "peak RSS MB",
+    "decode peak MB",
+    "kept heap MB",
+]
 RATIO_HEADER = ["N", "prefill speed-up", "decode speed-up", "cache ratio", "peak RSS ratio"]
 
 

@@ -7,6 +7,8 @@ so the number is the memory the call itself needs.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import os
 import platform
@@ -61,6 +63,28 @@ def _status_kb(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"{PROC_STATUS} has no {field} line")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+def heap_kept_bytes() -> int | None:
+    """Bytes of freed heap that glibc's malloc keeps in this process (``mallinfo2().fordblks``, all arenas): part
+    of the resident set that holds no data, how much depends on the order of past allocations (fragmentation),
+    not on what the process holds. None without glibc ≥ 2.33."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallinfo2 = ctypes.CDLL(name).mallinfo2 if name else None
+    except (OSError, AttributeError):
+        mallinfo2 = None
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _MallInfo2
+    return int(mallinfo2().fordblks)
 
 
 def cpu_model() -> str:
