@@ -341,12 +341,20 @@ HEADER = [
     "decode peak MB",
     "kept heap MB",
 ]
-RATIO_HEADER = ["N", "prefill speed-up", "decode speed-up", "cache ratio", "peak RSS ratio"]
+RATIO_HEADER = ["N", "prefill speed-up", "decode speed-up", "cache ratio", "peak RSS ratio", "peak − kept heap ratio"]
+
+
+def _live_ratio(original: dict, converted: dict) -> str:
+    if original.get("heap_kept_mb") is None or converted.get("heap_kept_mb") is None:
+        return "–"
+    live = [p["peak_rss_mb"] - p["heap_kept_mb"] for p in (original, converted)]
+    return f"{live[1] / live[0]:.3f}×"
 
 
 def ratio_rows(doc: dict) -> list[list[str]]:
     """Per N with both models measured: original / converted prefill time and decode latency (> 1: the converted
-    model is faster), converted / original cache and peak RSS (< 1: it holds less)."""
+    model is faster), converted / original cache, peak RSS and peak RSS less the kept heap (< 1: it holds less;
+    the last, where both points measured the kept heap, is what the processes held, without allocator slack)."""
     pts = {(p["method"], p["n"]): p for p in doc["points"] if not p.get("error")}
     rows = []
     for n in sorted({n for _, n in pts}):
@@ -360,6 +368,7 @@ def ratio_rows(doc: dict) -> list[list[str]]:
                 f"{o['ms_per_token'] / c['ms_per_token']:.2f}×",
                 f"{c['cache_mb'] / o['cache_mb']:.2f}×",
                 f"{c['peak_rss_mb'] / o['peak_rss_mb']:.3f}×",
+                _live_ratio(o, c),
             ]
         )
     return rows
