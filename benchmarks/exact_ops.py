@@ -14,23 +14,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
 
+from oal.bench.devices import get_device
+from oal.bench.machine import time_call
 from oal.kernels.decode import softmax_decode_step
 from oal.ops.quadratic import cpu as cpu_kernel
 
+CPU = get_device("cpu")
+
 
 def best(fn, repeats: int) -> float:
+    """Milliseconds: the fastest of ``repeats`` calls after one warm-up call."""
     fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+    return min(time_call(fn, CPU) for _ in range(repeats)) * 1e3
 
 
 def measure(n: int, ext, repeats: int) -> None:

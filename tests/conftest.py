@@ -35,3 +35,23 @@ def data_dir() -> Path:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def spy_fast_path(monkeypatch):
+    """``spy_fast_path(owner, name) -> calls``: replaces ``owner.name``, a fast path that returns None where it does
+    not apply, by a wrapper appending to ``calls`` whether each call took it."""
+
+    def install(owner: object, name: str) -> list[bool]:
+        calls: list[bool] = []
+        real = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            out = real(*args, **kwargs)
+            calls.append(out is not None)
+            return out
+
+        monkeypatch.setattr(owner, name, wrapper)
+        return calls
+
+    return install

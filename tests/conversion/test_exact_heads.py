@@ -213,22 +213,14 @@ def test_gate_gradient_scores_match_a_finite_difference(make_model):
 
 @pytest.mark.skipif(cpu_kernel.load("decode") is None, reason="the fused CPU decode kernel did not build")
 @pytest.mark.parametrize("kernel, exact", [("oal", None), ("sink_window", None), ("sink_window", {1: [1], 2: [0]})])
-def test_generate_reaches_the_fused_decode_step_and_matches_the_torch_step(make_model, kernel, exact, monkeypatch):
+def test_generate_reaches_the_fused_decode_step_and_matches_the_torch_step(make_model, kernel, exact, spy_fast_path):
     import oal.models.hooks as hooks
 
     model = converted(make_model, kernel)
     if exact:
         add_exact_heads(model, exact)
     ids = torch.randint(0, 256, (2, 12))
-    calls = []
-    real = hooks.decode_step
-
-    def counting(*args):
-        out = real(*args)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(hooks, "decode_step", counting)
+    calls = spy_fast_path(hooks, "decode_step")
     kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         fused = model.generate(ids, **kw)

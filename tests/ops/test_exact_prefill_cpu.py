@@ -73,16 +73,8 @@ def test_bad_inputs_are_named():
 
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16])
-def test_exact_heads_kernel_no_grad_call_takes_it_and_equals_the_sdpa_path(monkeypatch, kv_dtype):
-    calls = []
-    fused = hybrid._fused_exact
-
-    def spy(*args):
-        out = fused(*args)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(hybrid, "_fused_exact", spy)
+def test_exact_heads_kernel_no_grad_call_takes_it_and_equals_the_sdpa_path(spy_fast_path, kv_dtype):
+    calls = spy_fast_path(hybrid, "_fused_exact")
     gen = torch.Generator().manual_seed(0)
     inner = OALKernel(torch.randint(0, 3, (9, 64), generator=gen), 3, L=torch.randn(9, 4, 4, generator=gen) * 0.3)
     m = ExactHeadsKernel(inner, [0, 2], kv_dtype=kv_dtype)

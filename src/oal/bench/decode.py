@@ -256,6 +256,11 @@ def summarize(runs: list[dict[str, object]]) -> list[dict[str, object]]:
     return points
 
 
+def point_of(run: dict[str, object]) -> dict[str, object]:
+    """A one-round sweep's point: the run without its ``round``."""
+    return {k: v for k, v in run.items() if k != "round"}
+
+
 def run_sweep(
     config: DecodeConfig,
     sizes: list[int],
@@ -292,9 +297,7 @@ def run_sweep(
     for index, (rnd, method, n) in enumerate(todo, 1):
         point = runner(method, n, config)
         doc["runs"].append({**point, "round": rnd})
-        doc["points"] = [dict(p) for p in doc["runs"]] if repeats == 1 else summarize(doc["runs"])
-        for p in doc["points"] if repeats == 1 else ():
-            p.pop("round")
+        doc["points"] = [point_of(r) for r in doc["runs"]] if repeats == 1 else summarize(doc["runs"])
         write_json(out_dir / RESULT_FILE, doc)
         if on_point:
             on_point(point, index, len(todo))

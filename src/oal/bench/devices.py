@@ -8,7 +8,6 @@ so the number is the memory the call itself needs.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import os
 import platform
@@ -68,19 +67,26 @@ def _status_kb(field: str) -> int:
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
-    ] + [("keepcost", ctypes.c_size_t)]
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def heap_kept_bytes() -> int | None:
     """Bytes of freed heap that glibc's malloc keeps in this process (``mallinfo2().fordblks``, all arenas): part
     of the resident set that holds no data, how much depends on the order of past allocations (fragmentation),
     not on what the process holds. None without glibc ≥ 2.33."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallinfo2 = ctypes.CDLL(name).mallinfo2 if name else None
-    except (OSError, AttributeError):
-        mallinfo2 = None
+    mallinfo2 = getattr(ctypes.CDLL(None), "mallinfo2", None)  # the C library already loaded in this process
     if mallinfo2 is None:
         return None
     mallinfo2.restype = _MallInfo2
