@@ -9,7 +9,7 @@ from oal.conversion import conversion_info, convert_model, load_converted, save_
 from oal.conversion.heads import add_exact_heads, approximation_error_scores, rank_heads, retrieval_head_scores
 from oal.kernels import ExactHeadsKernel, ExactHeadsState, OALKernel, SinkWindowKernel
 from oal.kernels.decode import GROWTH
-from oal.models import attached_kernels, capture_qkv, detach_kernel
+from oal.models import KernelCache, attached_kernels, capture_qkv, detach_kernel
 from oal.models.state_cache import layer_nbytes
 from oal.ops.quadratic import cpu as cpu_kernel
 
@@ -52,9 +52,10 @@ def test_cached_decoding_equals_one_pass_and_cache_holds_exact_kv(make_model, ke
     ids = torch.randint(0, 256, (1, 40))
     full = logits(model, ids)
     with torch.no_grad():
-        out = model(ids[:, :25], use_cache=True)
+        # the kernel heads' state from the first token (below the crossover the cache would keep their keys)
+        cache = KernelCache(model, keep_keys=False)
+        out = model(ids[:, :25], cache=cache, use_cache=True)
         steps = [out.logits]
-        cache = out.past_key_values
         after_prefill = layer_nbytes(cache.layers[1])
         for t in range(25, 40):
             out = model(ids[:, t : t + 1], cache=cache, use_cache=True)

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 from oal.conversion import convert_model
 from oal.kernels import AttentionKernel
 from oal.kernels.decode import GROWTH, softmax_decode_step
+from oal.kernels.kept import KEPT_GROWTH
 from oal.models import KernelCache, KernelStateLayer, attach_kernel, cache_nbytes, detach_kernel
 from oal.models.state_cache import ExactKVLayer, layer_nbytes
 
@@ -100,7 +101,7 @@ def test_state_size_does_not_grow_with_the_context(make_model, kernel):
     model = convert(make_model(), kernel)
     sizes = {}
     for n in (8, 96):
-        cache = KernelCache(model)
+        cache = KernelCache(model, keep_keys=False)  # the state from the first token (test_kept_keys_... below)
         with torch.no_grad():
             model(prompt(1, n), cache=cache)
         sizes[n] = [(type(layer).__name__, layer_nbytes(layer)) for layer in cache.layers]
@@ -128,7 +129,7 @@ def test_state_size_does_not_grow_with_the_context(make_model, kernel):
 def test_state_per_kv_or_query_head(make_model, kernel, shape):
     kw = {"num_features": 16} if kernel == "performer" else {}
     model = convert(make_model(num_kv_heads=2), kernel, layers=[1], **kw)
-    cache = KernelCache(model)
+    cache = KernelCache(model, keep_keys=False)
     with torch.no_grad():
         model(prompt(1, 5), cache=cache)
     state = cache.layers[1].state
@@ -153,7 +154,9 @@ def test_bf16_model_generates_with_fp32_kernels_and_states(make_model):
         out = model.generate(prompt(1, 9), max_new_tokens=4, do_sample=False, cache=cache)
     assert out.shape == (1, 13)
     assert model.model.layers[1].self_attn.oal_kernel.L.dtype == torch.float32
-    assert cache.layers[1].state.dtype == torch.float32 and cache.layers[0].keys.dtype == torch.bfloat16
+    # 13 tokens: the converted layer keeps its keys and values (fp32, as the kernel computes), the others bf16
+    state = cache.layers[1].state
+    assert state.k.dtype == state.v.dtype == torch.float32 and cache.layers[0].keys.dtype == torch.bfloat16
 
 
 def test_stale_caches_are_refused(make_model):
@@ -245,3 +248,42 @@ def test_exact_kv_layer_writes_in_place_and_keeps_dynamic_layer_semantics():
     assert layer.buffers(keys) is not None and torch.equal(keys[0, :, -1:], new[1][0][0])
     layer.reset()
     assert layer.get_seq_length() == 0 and layer.nbytes == 0
+
+
+@pytest.mark.parametrize("kernel", ["oal", "global"])
+def test_kept_keys_below_the_crossover_then_the_state(make_model, kernel):
+    """A converted layer's cache holds its fp32 keys and values while they are smaller than the state (d = 8:
+    25 tokens), then the state; generation equals recomputation across the switch and equals the cache that keeps
+    the state from the first token."""
+    model = convert(make_model(), kernel)
+    ids = prompt(2, 9)
+    want, want_logits = recompute_greedy(model, ids, 24)
+    caches = {keep: KernelCache(model, keep_keys=keep) for keep in (True, False)}
+    seen = []
+    with torch.no_grad():
+        seq, cache = ids, caches[True]
+        out = model(seq, cache=cache)
+        for _ in range(24):
+            seen.append(type(cache.layers[1].state).__name__)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+            out = model(nxt, cache=cache)
+        got_state, _ = cached_greedy(model, ids, 24, cache=caches[False])
+    assert torch.equal(seq[:, :-1], want[:, :-1]) and torch.equal(got_state, want)
+    # prompt 9 .. 25 tokens kept (17 entries), then folded into the state
+    assert seen == ["KeptKV"] * 17 + ["Tensor"] * 7
+    state_bytes = 2 * 2 * (1 + 8 + 36) * 9 * 4  # batch 2, 2 KV heads
+    assert layer_nbytes(caches[True].layers[1]) == layer_nbytes(caches[False].layers[1]) == state_bytes
+
+
+def test_kept_keys_hold_less_than_the_state_and_reorder_in_beam_search(make_model):
+    model = convert(make_model(), "oal")
+    cache = KernelCache(model)
+    with torch.no_grad():
+        model(prompt(1, 5), cache=cache)
+    # 5 tokens + KEPT_GROWTH spare slots of fp32 keys and values, 2 KV heads, d = dv = 8
+    assert layer_nbytes(cache.layers[1]) == 2 * (5 + KEPT_GROWTH) * (8 + 8) * 4 < 2 * (1 + 8 + 36) * 9 * 4
+    ids = prompt(2, 11)
+    kw = dict(max_new_tokens=6, num_beams=3, num_return_sequences=2, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))

@@ -8,6 +8,7 @@ import torch
 from oal.bench.decode import synthetic_groups
 from oal.conversion import conversion_info, convert_model, default_layers, load_converted, save_converted
 from oal.models import KernelCache, attention_spec, load_model, load_tokenizer
+from oal.models.state_cache import layer_nbytes
 
 pytestmark = pytest.mark.model
 
@@ -38,6 +39,15 @@ def test_cached_generation_equals_recomputation(converted):
     assert torch.equal(got, seq)
     kinds = [type(layer).__name__ for layer in cache.layers]
     assert kinds == ["ExactKVLayer"] * 3 + ["KernelStateLayer"] * 24 + ["ExactKVLayer"] * 3
+    # a short prompt: the converted layers keep fp32 keys and values (fewer bytes than the state) …
+    n = ids.shape[1] + 5
+    kept = cache.layers[5].state
+    assert kept.length == n and kept.k.shape[:2] == (1, 3) and kept.k.shape[2] >= n
+    assert layer_nbytes(cache.layers[5]) < 3 * (1 + 64 + 64 * 65 // 2) * 65 * 4
+    # … and their state from the first token without the kept form
+    cache = KernelCache(model, keep_keys=False)
+    with torch.no_grad():
+        model(ids, cache=cache)
     assert cache.layers[5].state.shape == (1, 3, 1 + 64 + 64 * 65 // 2, 65)
 
 

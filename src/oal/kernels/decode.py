@@ -13,7 +13,12 @@ model's decode latency. :func:`decode_step` computes the same outputs with ``dec
 * :class:`SinkWindowKernel`: the same, plus the exact sinks and window in one normalisation, the window
   sliding in place;
 * :class:`ExactHeadsKernel`: the exact heads' keys/values are written into spare slots of their buffer (grown by
-  :data:`GROWTH` slots when full, so the copy is amortised), the other heads as above.
+  :data:`GROWTH` slots when full, so the copy is amortised), the other heads as above;
+* the kept form of any of them (:mod:`oal.kernels.kept`: below the memory crossover the cache keeps the kernel
+  heads' keys and values instead of the state): the new key is written into a spare slot and the kernel part is
+  evaluated over the kept keys through the kernel's factor, in blocks whose sums add up; the sinks and window are
+  exact parts of the same keys. The step that would make the kept keys larger than the state folds them into it
+  first (:func:`oal.kernels.kept.fold`) and runs on the state.
 
 It is what the model's cache uses for one-token steps (:mod:`oal.models.hooks`); because it writes into the
 state it is given, it is only for a state that nothing else holds. It applies to CPU float32 inputs and states
@@ -29,8 +34,9 @@ import torch
 from ..ops.quadratic import cpu as cpu_kernel
 from ..ops.quadratic.utils import feature_dim, query_weights
 from ..ops.sink_window import SinkWindowState
+from . import kept as kept_form
 from .hybrid import ExactHeadsKernel, ExactHeadsState
-from .oal import OALKernel, oal_coefficients
+from .oal import OALKernel, oal_coefficients, oal_factor
 from .sink_window import SinkWindowKernel
 
 __all__ = ["GROWTH", "decode_step", "softmax_decode_step"]
@@ -52,8 +58,9 @@ def _parts(kernel) -> tuple[OALKernel, SinkWindowKernel | None, tuple[int, ...],
     return oal, sw, (), tuple(range(kernel.num_kv_heads)), list(range(kernel.num_heads))
 
 
-def _constants(kernel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(exact KV heads, kernel KV heads, query weights (K·G, D), β (K·G,))`` as fp32 / int64 CPU tensors,
+def _constants(kernel) -> tuple[torch.Tensor, ...]:
+    """``(exact KV heads, kernel KV heads, query weights (K·G, D), β (K·G,), factor W (K·G, R, d), c (K·G, R),
+    c0 (K·G,))`` as fp32 / int64 CPU tensors (Eq. 6's query side for the state, Eq. 7's factor for kept keys),
     cached on the kernel and recomputed when any of its parameters changes (version counter or storage)."""
     params = tuple(kernel.parameters())
     key = tuple((p.data_ptr(), p._version) for p in params)
@@ -64,6 +71,7 @@ def _constants(kernel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
     D = feature_dim(kernel.head_dim)
     if not kq:  # every head exact
         consts = (torch.tensor(exact, dtype=torch.long), torch.empty(0, dtype=torch.long), torch.empty(0, D), _EMPTY)
+        consts += (_EMPTY.view(0, 0, 0), _EMPTY.view(0, 0), _EMPTY)
         object.__setattr__(kernel, _CONSTANTS_ATTR, (key, consts))
         return consts
     with torch.no_grad():
@@ -72,7 +80,9 @@ def _constants(kernel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
         a, b, C = oal_coefficients(groups, L, oal.eps)
         wq = query_weights(a, b, C, kernel.scale).contiguous()
         beta = (sw.beta.float().index_select(0, hq) if sw is not None else torch.zeros(len(kq))).contiguous()
+        factor = oal_factor(groups, L, oal.eps)
     consts = (torch.tensor(exact, dtype=torch.long), torch.tensor(rest, dtype=torch.long), wq, beta)
+    consts += tuple(x.float().contiguous() for x in (factor.W, factor.c, factor.c0))
     object.__setattr__(kernel, _CONSTANTS_ATTR, (key, consts))
     return consts
 
@@ -106,25 +116,40 @@ def _grown(x: torch.Tensor, used: int) -> torch.Tensor:
 
 def decode_step(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object, past: int):
     """One token: q ``(B, Hq, 1, d)``, k ``(B, Hkv, 1, d)``, v ``(B, Hkv, 1, dv)`` after ``past`` tokens whose
-    state is ``state`` (as ``kernel.forward(..., output_final_state=True)`` returned it; written in place).
+    state is ``state`` (as ``kernel.forward(..., output_final_state=True)`` returned it, or its kept form from
+    :func:`oal.kernels.kept.start`; written in place).
 
-    Returns ``(o (B, Hq, 1, dv), new state)`` equal to the kernel's recurrent step, or None when the fused path
+    Returns ``(o (B, Hq, 1, dv), new state)`` equal to the kernel's recurrent step (the new state kept while
+    the kept keys stay below :func:`oal.kernels.kept.keep_limit`, folded otherwise), or None when the fused path
     does not apply (see the module docstring)."""
     if state is None or not _usable(kernel, q, k, v):
         return None
     oal, sw, exact, rest, _ = _parts(kernel)
-    inner = state
+    inner = state.inner if isinstance(state, ExactHeadsState) else state
+    if isinstance(inner, kept_form.KeptKV):
+        if inner.length != past:
+            return None
+        limit = kept_form.keep_limit(kernel, q.shape[-1], v.shape[-1])
+        if past + 1 > limit:
+            state = kept_form.fold(kernel, state)
+            inner = state.inner if isinstance(state, ExactHeadsState) else state
+        else:
+            inner = kept_form.grown(inner, limit)
     ex_k = ex_v = _EMPTY
     if isinstance(kernel, ExactHeadsKernel):
         if not isinstance(state, ExactHeadsState) or state.offset != past:
             return None
         ex_k, ex_v = _grown(state.k, past), _grown(state.v, past)
-        inner = state.inner
         # the exact heads' keys and values: fp32, or bf16 (kv_dtype)
         if not _on_cpu(ex_k, ex_v, dtype=kernel.kv_dtype or torch.float32):
             return None
-    S = sink_k = sink_v = win_k = win_v = _EMPTY
-    if rest:
+    kept = isinstance(inner, kept_form.KeptKV)
+    S = sink_k = sink_v = win_k = win_v = kept_k = kept_v = _EMPTY
+    if rest and kept:
+        kept_k, kept_v = inner.k, inner.v
+        if not _on_cpu(kept_k, kept_v):
+            return None
+    elif rest:
         if sw is not None:
             if not isinstance(inner, SinkWindowState) or inner.offset != past:
                 return None
@@ -137,7 +162,7 @@ def decode_step(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state
             return None
         if S.shape[2] != feature_dim(kernel.head_dim):
             return None
-    exact_idx, kern_idx, wq, beta = _constants(kernel)
+    exact_idx, kern_idx, wq, beta, fw, fc, fc0 = _constants(kernel)
     B, Hq, _, d = q.shape
     dv = v.shape[-1]
     out = q.new_empty(B, Hq, dv)
@@ -157,6 +182,12 @@ def decode_step(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state
         sink_v,
         win_k,
         win_v,
+        kept_k,
+        kept_v,
+        fw,
+        fc,
+        fc0,
+        kept,
         past,
         sw.n_sink if sw is not None else 0,
         sw.window if sw is not None else 0,
@@ -165,7 +196,9 @@ def decode_step(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state
         sw is not None and (sw.n_sink > 0 or sw.window > 0),
     )
     new_inner = None
-    if rest:
+    if rest and kept:
+        new_inner = inner._replace(length=past + 1)
+    elif rest:
         new_inner = SinkWindowState(S, sink_k, sink_v, win_k, win_v, past + 1) if sw is not None else S
     if isinstance(kernel, ExactHeadsKernel):
         return out.view(B, Hq, 1, dv), ExactHeadsState(ex_k, ex_v, new_inner, past + 1)
@@ -222,6 +255,12 @@ def softmax_decode_step(
         _EMPTY,
         _EMPTY,
         _EMPTY,
+        _EMPTY,
+        _EMPTY,
+        _EMPTY.view(0, 0, 0),
+        _EMPTY.view(0, 0),
+        _EMPTY,
+        False,
         t,
         0,
         0,

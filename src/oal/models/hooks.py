@@ -43,6 +43,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..kernels import kept as kept_form
 from ..kernels.base import AttentionKernel, SoftmaxKernel
 from ..kernels.decode import decode_step, softmax_decode_step
 from ..ops.quadratic import cpu as cpu_kernels
@@ -221,19 +222,26 @@ def _kernel_attention(
                     f"{where}: the kernel returned no recurrent state for the first {past} tokens, so this cache "
                     "cannot continue; run the model with use_cache=False"
                 )
-            o, state = _step(kernel, q, k, v, state, past)
+            o, state = _step(kernel, q, k, v, state, past, layer.keep_keys)
             layer.put(state)
     return o.to(value.dtype).transpose(1, 2).contiguous()
 
 
-def _step(kernel: AttentionKernel, q, k, v, state, past: int):
-    """The kernel on new tokens after ``past`` tokens summarised by ``state``: ``(o, new state)``. One-token steps
-    take the fused in-place step (the cache owns the state), else the kernel's own recurrent mode (autograd,
-    non-fp32, other kernels, no compiler); several tokens the chunked mode."""
+def _step(kernel: AttentionKernel, q, k, v, state, past: int, keep: bool):
+    """The kernel on new tokens after ``past`` tokens summarised by ``state``: ``(o, new state)``. A prompt from
+    no state keeps the kernel heads' keys and values while they are smaller than the state (``keep``; the kept form
+    of :mod:`oal.kernels.kept`). One-token steps take the fused in-place step (the cache owns the state), else the
+    kernel's own recurrent mode (autograd, non-fp32, other kernels, no compiler); several tokens the chunked mode;
+    both from the kernel's own state (a kept form folded into it first)."""
     n = q.shape[2]
+    if keep and state is None:
+        started = kept_form.start(kernel, q, k, v)
+        if started is not None:
+            return started
     fused = decode_step(kernel, q, k, v, state, past) if n == 1 else None
     if fused is None:
-        fused = kernel(q, k, v, mode="recurrent" if n == 1 else "chunk", initial_state=state, output_final_state=True)
+        mode = "recurrent" if n == 1 else "chunk"
+        fused = kernel(q, k, v, mode=mode, initial_state=kept_form.fold(kernel, state), output_final_state=True)
     return fused
 
 
@@ -283,7 +291,7 @@ def _padded_attention(
                 f"{where}: row {b} continues after padding (a right-padded sequence cannot be extended from the "
                 "cache); pad on the left for generation"
             )
-        o[sl], state_b = _step(kernel, q[sl], k[sl], v[sl], rows.rows[b], seen)
+        o[sl], state_b = _step(kernel, q[sl], k[sl], v[sl], rows.rows[b], seen, layer.keep_keys)
         rows = rows.replace_row(b, state_b, seen + (e - s))
     if layer is not None:
         layer.put(rows)

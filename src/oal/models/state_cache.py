@@ -8,7 +8,11 @@ recurrent mode for one token) and stores the state it returns. The state's size 
 length: the packed state ``(B, Hkv, 1 + d + d(d+1)/2, dv + 1)`` of Eq. 5 (updated token by token as in Algorithm
 1) for OAL, the global quadratic and TaylorShift, a
 :class:`oal.ops.linear.LinearState` per KV head (DiJiang) or per query head (Performer, SpectraFormer), or
-whatever object another kernel's ``forward(..., output_final_state=True)`` returns. Batch operations (beam
+whatever object another kernel's ``forward(..., output_final_state=True)`` returns. Below the memory crossover
+(:func:`oal.kernels.kept.keep_limit`: 1,089 tokens for d = dv = 64) OAL, the global quadratic and their sink/window
+and exact-heads forms keep the kernel heads' fp32 keys and values instead (:mod:`oal.kernels.kept`; a converted
+layer then never holds more than the softmax layer it replaces), folded into the state when it becomes the
+smaller; ``keep_keys=False`` keeps the state from the first token. Batch operations (beam
 search, batch selection, offloading) map over the tensors of the state (a pytree: a tensor, a tuple / named tuple
 / list / dict of tensors and plain values), whose first dimension must be the batch.
 
@@ -98,10 +102,11 @@ class KernelStateLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self) -> None:
+    def __init__(self, keep_keys: bool = True) -> None:
         super().__init__()
         self.state: object | None = None
         self.seen = 0
+        self.keep_keys = keep_keys
         self.device: torch.device | None = None
         self._expecting = False
         self._pending = 0
@@ -332,11 +337,13 @@ class KernelCache(DynamicCache):
 
     ``KernelCache(model)`` for a model with attached kernels; layers with an exact-softmax kernel (and all others)
     keep their keys and values, in an :class:`ExactKVLayer` (grown in place, decoded by the fused softmax step).
+    ``keep_keys``: whether converted layers keep their kernel heads' keys and values below the memory crossover
+    (:mod:`oal.kernels.kept`; the default) or the kernel's state from the first token.
     Passing it to ``generate(..., cache=cache)`` or ``model(..., cache=cache)`` is
     optional (a fresh ``DynamicCache`` is taken over on first use), but it keeps a handle for inspection and
     memory accounting (:func:`cache_nbytes`)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, keep_keys: bool = True) -> None:
         from ..kernels.base import SoftmaxKernel
         from .hooks import attached_kernels
 
@@ -345,7 +352,7 @@ class KernelCache(DynamicCache):
         for layer in range(len(self.layers)):
             kernel = kernels.get(layer)
             if kernel is not None and not isinstance(kernel, SoftmaxKernel):
-                kernel_state_layer(self, layer)
+                kernel_state_layer(self, layer).keep_keys = keep_keys
             elif kernels:
                 exact_kv_layer(self, layer)
 

@@ -16,6 +16,12 @@
 //   each query head of the group attends, softmax, over keys 0 … t (the buffer is read once per KV head), in
 //   parts of EXACT_BLOCK keys run as separate tasks and combined by their maxima (split-K, as flash-decoding).
 //
+// * kept kernel heads (../../../kernels/kept.py: below the memory crossover the cache keeps a kernel head's keys and
+//   values instead of its state): the new key/value is written at slot t, and the kernel part is evaluated from the
+//   kept keys through the kernel's factor, κ_g(k) = c0 + Σ_m (c_m + scale Σ_r W_mr q_gr k_r)² (Eq. 7 as a sum of
+//   squares), in blocks of KEPT_BLOCK keys run as separate tasks whose sums add up (split-K); the sinks and the
+//   window are softmax parts over the same kept keys, joined as above.
+//
 // Packed layout of φ: [1, x_1 … x_d, x_r x_t for r ≤ t row-major], the layout of utils.key_features.
 #include <torch/extension.h>
 
@@ -35,6 +41,9 @@ using at::Tensor;
 // keys of an exact head per task: an 8k head splits into 4 tasks (split-K, combined after), so the two threads
 // share one layer's few long heads instead of one thread reading them all
 constexpr int64_t EXACT_BLOCK = 2048;
+// kept keys of a kernel head per task (below the crossover, ≤ ~1.3k keys): a 1k head splits into 4 tasks whose sums
+// add up, so that batch 1's three heads keep both threads busy
+constexpr int64_t KEPT_BLOCK = 256;
 
 #include "common.h"
 
@@ -162,21 +171,47 @@ template <typename T>
 void exact_part_of_head(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t G,
                         int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale);
 
+// The output of a kernel head's G query heads from acc (G, dv1): the kernel part's numerator and denominator over
+// `count` keys, and (sp / wp not null) the softmax parts of the sinks and the window (each M (G,), total (G,),
+// out (G, dv), as exact_part_of_head writes them; a part of no keys has M = -inf), joined with the kernel part's
+// log-mass β + log den in one normalisation.
+void join_finish(const float* acc, float count, const float* beta, const float* sp, const float* wp, int64_t G,
+                 int64_t dv, float floor, float* out) {
+  const int64_t dv1 = dv + 1;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* num = acc + g * dv1;
+    const float den = std::max(num[dv], floor * count);
+    float* o = out + g * dv;
+    if (sp == nullptr && wp == nullptr) {
+      for (int64_t c = 0; c < dv; ++c) o[c] = num[c] / den;
+      continue;
+    }
+    const float log_mass = count > 0.f ? beta[g] + std::log(den) : -std::numeric_limits<float>::infinity();
+    float M = log_mass;  // finite: the exact set always holds sink 0 or the new key
+    if (sp != nullptr) M = std::max(M, sp[g]);
+    if (wp != nullptr) M = std::max(M, wp[g]);
+    float total = 0.f;
+    std::fill(o, o + dv, 0.f);
+    auto join = [&](const float* part_of) {  // one softmax part, rescaled to the common max
+      const float f = std::exp(part_of[g] - M);
+      total += f * part_of[G + g];
+      axpy(o, f, part_of + 2 * G + g * dv, dv);
+    };
+    if (sp != nullptr) join(sp);
+    if (wp != nullptr) join(wp);
+    const float ks = count > 0.f ? std::exp(log_mass - M) : 0.f;
+    total += ks;
+    const float inv = 1.f / total, kern = count > 0.f ? ks / den : 0.f;  // an empty kernel set adds nothing
+    for (int64_t c = 0; c < dv; ++c) o[c] = (o[c] + kern * num[c]) * inv;
+  }
+}
+
 // Phase 2 of a kernel head, with acc the sum of its row parts: the normalisation, and (with sinks / a window) the
-// exact part in one normalisation with the kernel part, the window slide and the sinks.
+// window slide, the sinks and the exact part in one normalisation with the kernel part.
 void kernel_finish(const KernelHeadArgs& a, float* acc, int64_t G, int64_t d, int64_t dv, int64_t t,
                    int64_t n_sink, int64_t w, float scale, float floor, bool exact_part) {
-  const int64_t dv1 = dv + 1;
   const float count = a.S[dv];  // H0's last column: keys in the kernel set so far
-
-  if (!exact_part) {
-    for (int64_t g = 0; g < G; ++g) {
-      const float* num = acc + g * dv1;
-      const float den = std::max(num[dv], floor * count);
-      for (int64_t c = 0; c < dv; ++c) a.out[g * dv + c] = num[c] / den;
-    }
-    return;
-  }
+  if (!exact_part) return join_finish(acc, count, a.beta, nullptr, nullptr, G, dv, floor, a.out);
   // slide the window (its oldest entry has entered the state in phase 1) and fill the sinks
   if (w > 0) {
     std::memmove(a.win_k, a.win_k + d, sizeof(float) * (w - 1) * d);
@@ -198,29 +233,7 @@ void kernel_finish(const KernelHeadArgs& a, float* acc, int64_t G, int64_t d, in
   float *sp = parts.data(), *wp = parts.data() + part;
   if (ns > 0) exact_part_of_head(a.q, a.sink_k, a.sink_v, sp, sp + G, sp + 2 * G, G, d, dv, 0, ns, scale);
   if (s0 < w) exact_part_of_head(a.q, a.win_k, a.win_v, wp, wp + G, wp + 2 * G, G, d, dv, s0, w, scale);
-  for (int64_t g = 0; g < G; ++g) {
-    const float* num = acc + g * dv1;
-    const float den = std::max(num[dv], floor * count);
-    const float log_mass =
-        count > 0.f ? a.beta[g] + std::log(den) : -std::numeric_limits<float>::infinity();
-    float M = log_mass;  // finite: the exact set always holds sink 0 or the new key
-    if (ns > 0) M = std::max(M, sp[g]);
-    if (s0 < w) M = std::max(M, wp[g]);
-    float total = 0.f;
-    float* o = a.out + g * dv;
-    std::fill(o, o + dv, 0.f);
-    auto join = [&](const float* part_of) {  // one softmax part, rescaled to the common max
-      const float f = std::exp(part_of[g] - M);
-      total += f * part_of[G + g];
-      axpy(o, f, part_of + 2 * G + g * dv, dv);
-    };
-    if (ns > 0) join(sp);
-    if (s0 < w) join(wp);
-    const float ks = count > 0.f ? std::exp(log_mass - M) : 0.f;
-    total += ks;
-    const float inv = 1.f / total, kern = count > 0.f ? ks / den : 0.f;  // an empty kernel set adds nothing
-    for (int64_t c = 0; c < dv; ++c) o[c] = (o[c] + kern * num[c]) * inv;
-  }
+  join_finish(acc, count, a.beta, ns > 0 ? sp : nullptr, s0 < w ? wp : nullptr, G, dv, floor, a.out);
 }
 
 // a row of n stored keys / values as fp32: the row itself, or (bf16 storage) its widening into buf
@@ -384,6 +397,115 @@ void exact_part_of_head(const float* q, const T* K, const T* V, float* M, float*
   if (!done) exact_part_any(q, K, V, M, total, out, G, d, dv, j0, j1, scale);
 }
 
+// Kernel heads that keep their keys and values instead of the state (below the memory crossover; the kept form of
+// ../../../kernels/kept.py): the kernel part from the keys, through the kernel's factor (Eq. 7 as a sum of R
+// squares, utils.KernelFactor): κ_g(k) = c0_g + Σ_m (c_gm + p_gm · k)², with p_gm = scale · W_gm ⊙ q_g the query's
+// side. acc (G, dv+1) += Σ_j κ_g(k_j) [v_j, 1] over keys [j0, j1). The scores of 16 keys at a time for each of
+// the G·R rows of p, summed by one reduction tree (as exact_part_fast), κ and the weighted values in registers.
+template <int G, int ND, int NV>
+void kernel_part_fast(const float* p, const float* c, const float* c0, int64_t R, const float* K, const float* V,
+                      int64_t j0, int64_t j1, float* acc) {
+  constexpr int64_t d = 16 * ND, dv = 16 * NV, dv1 = dv + 1;
+  v16 o[G][NV], den[G];
+  for (int g = 0; g < G; ++g) {
+    den[g] = v16{};
+    for (int ch = 0; ch < NV; ++ch) o[g][ch] = v16{};
+  }
+  float kap[G][16];
+  int64_t j = j0;
+  for (; j + 16 <= j1; j += 16) {
+    const float* kb = K + j * d;
+    for (int g = 0; g < G; ++g) {
+      v16 kv = splat16(c0[g]);
+      for (int64_t m = 0; m < R; ++m) {
+        const float* pr = p + (g * R + m) * d;
+        v16 pv[ND];
+        for (int ch = 0; ch < ND; ++ch) pv[ch] = load16(pr + ch * 16);
+        v16 prod[16];
+        for (int x = 0; x < 16; ++x) {
+          prod[x] = pv[0] * load16(kb + x * d);
+          for (int ch = 1; ch < ND; ++ch) prod[x] += pv[ch] * load16(kb + x * d + ch * 16);
+        }
+        const v16 z = sum_lanes16(prod) + c[g * R + m];
+        kv += z * z;
+      }
+      den[g] += kv;
+      store16(kap[g], kv);
+    }
+    for (int x = 0; x < 16; ++x) {
+      v16 vr[NV];
+      for (int ch = 0; ch < NV; ++ch) vr[ch] = load16(V + (j + x) * dv + ch * 16);
+      for (int g = 0; g < G; ++g) {
+        const float w = kap[g][x];
+        for (int ch = 0; ch < NV; ++ch) o[g][ch] += w * vr[ch];
+      }
+    }
+  }
+  float tail[G] = {};
+  for (; j < j1; ++j) {  // the last keys one at a time
+    const float* kj = K + j * d;
+    for (int g = 0; g < G; ++g) {
+      float kv = c0[g];
+      for (int64_t m = 0; m < R; ++m) {
+        const float z = c[g * R + m] + dot(p + (g * R + m) * d, kj, d);
+        kv += z * z;
+      }
+      tail[g] += kv;
+      for (int ch = 0; ch < NV; ++ch) o[g][ch] += kv * load16(V + j * dv + ch * 16);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* ag = acc + g * dv1;
+    for (int ch = 0; ch < NV; ++ch) store16(ag + ch * 16, load16(ag + ch * 16) + o[g][ch]);
+    float sum = tail[g];
+    for (int l = 0; l < 16; ++l) sum += den[g][l];
+    ag[dv] += sum;
+  }
+}
+
+// the same for any G, d and dv, one key at a time
+void kernel_part_any(const float* p, const float* c, const float* c0, int64_t G, int64_t R, int64_t d, int64_t dv,
+                     const float* K, const float* V, int64_t j0, int64_t j1, float* acc) {
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      float kv = c0[g];
+      for (int64_t m = 0; m < R; ++m) {
+        const float z = c[g * R + m] + dot(p + (g * R + m) * d, K + j * d, d);
+        kv += z * z;
+      }
+      axpy(acc + g * (dv + 1), kv, V + j * dv, dv);
+      acc[g * (dv + 1) + dv] += kv;
+    }
+}
+
+template <int ND>
+bool kernel_part_g(int64_t G, const float* p, const float* c, const float* c0, int64_t R, const float* K,
+                   const float* V, int64_t j0, int64_t j1, float* acc) {
+  switch (G) {
+    case 1: kernel_part_fast<1, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
+    case 2: kernel_part_fast<2, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
+    case 3: kernel_part_fast<3, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
+    case 4: kernel_part_fast<4, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
+    default: return false;
+  }
+}
+
+// one part of a kept kernel head: the G queries q (G, d) against keys [j0, j1) with the factor W (G, R, d),
+// c (G, R), c0 (G,) of the group's query heads; acc (G, dv+1) += the part's numerators and denominators
+void kernel_part_of_head(const float* q, const float* W, const float* c, const float* c0, int64_t G, int64_t R,
+                         int64_t d, int64_t dv, const float* K, const float* V, int64_t j0, int64_t j1, float scale,
+                         float* acc) {
+  std::vector<float> p(G * R * d);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t m = 0; m < R; ++m)
+      for (int64_t r = 0; r < d; ++r) p[(g * R + m) * d + r] = scale * W[(g * R + m) * d + r] * q[g * d + r];
+  bool done = false;
+  if (d == dv && d == 32) done = kernel_part_g<2>(G, p.data(), c, c0, R, K, V, j0, j1, acc);
+  if (d == dv && d == 64) done = kernel_part_g<4>(G, p.data(), c, c0, R, K, V, j0, j1, acc);
+  if (d == dv && d == 128) done = kernel_part_g<8>(G, p.data(), c, c0, R, K, V, j0, j1, acc);
+  if (!done) kernel_part_any(p.data(), c, c0, G, R, d, dv, K, V, j0, j1, acc);
+}
+
 // the exact head's output from its P parts (each M (G,), total (G,), out (G, dv), packed one after another)
 void combine_exact_parts(const float* parts, int64_t P, int64_t G, int64_t dv, float* out) {
   const int64_t stride = G * (dv + 2);
@@ -407,11 +529,15 @@ void combine_exact_parts(const float* parts, int64_t P, int64_t G, int64_t dv, f
 // q (B, Hq, d), k (B, Hkv, d), v (B, Hkv, dv), out (B, Hq, dv) written.
 // exact_heads (E,) int64 with ex_k (B, E, cap, d), ex_v (B, E, cap, dv) in fp32 or bf16, cap > t (slot t is
 // written).
-// kern_heads (K,) int64 with S (B, K, D, dv+1), wq (K·G, D), beta (K·G,), sink_k/v (B, K, n_sink, ·),
-// win_k/v (B, K, w, ·). exact_part: whether the kernel heads have sinks / a window (else plain kernel).
+// kern_heads (K,) int64, and either (kept false) the state S (B, K, D, dv+1), wq (K·G, D), beta (K·G,),
+// sink_k/v (B, K, n_sink, ·), win_k/v (B, K, w, ·), or (kept true) the heads' keys and values kept_k
+// (B, K, capk, d), kept_v (B, K, capk, dv) fp32 with capk > t (slot t is written), the factor fw (K·G, R, d),
+// fc (K·G, R), fc0 (K·G,) and beta (K·G,). exact_part: whether the kernel heads have sinks / a window (else plain
+// kernel).
 void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Tensor& exact_heads,
                  Tensor& ex_k, Tensor& ex_v, const Tensor& kern_heads, Tensor& S, const Tensor& wq,
-                 const Tensor& beta, Tensor& sink_k, Tensor& sink_v, Tensor& win_k, Tensor& win_v, int64_t t,
+                 const Tensor& beta, Tensor& sink_k, Tensor& sink_v, Tensor& win_k, Tensor& win_v, Tensor& kept_k,
+                 Tensor& kept_v, const Tensor& fw, const Tensor& fc, const Tensor& fc0, bool kept, int64_t t,
                  int64_t n_sink, int64_t w, double scale, double floor, bool exact_part) {
   check_f32(q, "q", 3);
   check_f32(k, "k", 3);
@@ -424,7 +550,7 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
   TORCH_CHECK(E + K == Hkv, "exact_heads, kern_heads: expected a partition of the ", Hkv, " KV heads");
   const int64_t* eh = exact_heads.data_ptr<int64_t>();
   const int64_t* kh = kern_heads.data_ptr<int64_t>();
-  int64_t cap = 0;
+  int64_t cap = 0, capk = 0, R = 0;
   bool ex_bf16 = false;  // the exact heads' keys and values stored in bf16 (ExactHeadsKernel kv_dtype)
   if (E) {
     ex_bf16 = ex_k.scalar_type() == at::kBFloat16;
@@ -435,7 +561,22 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
     cap = ex_k.size(2);
     TORCH_CHECK(cap > t && ex_v.size(2) == cap, "ex_k, ex_v: expected a capacity above t=", t);
   }
-  if (K) {
+  if (K && kept) {
+    check_f32(kept_k, "kept_k", 4);
+    check_f32(kept_v, "kept_v", 4);
+    check_f32(fw, "fw", 3);
+    check_f32(fc, "fc", 2);
+    check_f32(fc0, "fc0", 1);
+    check_f32(beta, "beta", 1);
+    capk = kept_k.size(2);
+    R = fw.size(1);
+    TORCH_CHECK(kept_k.size(0) == B && kept_k.size(1) == K && kept_k.size(3) == d && kept_v.size(0) == B &&
+                    kept_v.size(1) == K && kept_v.size(2) == capk && kept_v.size(3) == dv && capk > t,
+                "kept_k, kept_v: expected (B, K, capacity > t, d) keys and values of the kernel heads");
+    TORCH_CHECK(fw.size(0) == K * G && fw.size(2) == d && fc.size(0) == K * G && fc.size(1) == R &&
+                    fc0.size(0) == K * G && beta.size(0) == K * G,
+                "fw, fc, fc0, beta: shapes do not match the heads");
+  } else if (K) {
     check_f32(S, "S", 4);
     check_f32(wq, "wq", 2);
     check_f32(beta, "beta", 1);
@@ -453,10 +594,10 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // the new keys of the exact heads first, so that every split-K part can read slot t
+  // the new keys of the exact heads (and of kept kernel heads) first, so that every part can read slot t
   uint16_t* ekb = ex_bf16 ? reinterpret_cast<uint16_t*>(ex_k.data_ptr<at::BFloat16>()) : nullptr;
   uint16_t* evb = ex_bf16 ? reinterpret_cast<uint16_t*>(ex_v.data_ptr<at::BFloat16>()) : nullptr;
-  for (int64_t b = 0; b < B; ++b)
+  for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < E; ++i) {
       const int64_t h = eh[i], ko = ((b * E + i) * cap + t) * d, vo = ((b * E + i) * cap + t) * dv;
       const float *kx = kp + (b * Hkv + h) * d, *vx = vp + (b * Hkv + h) * dv;
@@ -468,35 +609,54 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
         std::memcpy(ex_v.data_ptr<float>() + vo, vx, sizeof(float) * dv);
       }
     }
+    if (kept)
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t h = kh[j], bj = b * K + j;
+        std::memcpy(kept_k.data_ptr<float>() + (bj * capk + t) * d, kp + (b * Hkv + h) * d, sizeof(float) * d);
+        std::memcpy(kept_v.data_ptr<float>() + (bj * capk + t) * dv, vp + (b * Hkv + h) * dv, sizeof(float) * dv);
+      }
+  }
   const int64_t P = (t + 1 + EXACT_BLOCK - 1) / EXACT_BLOCK;  // split-K parts per exact head
   const int64_t part_size = G * (dv + 2);
   std::vector<float> parts(B * E * P * part_size);
-  // row parts per kernel head: enough tasks for every thread when the batch has few heads (split-D)
+  const int64_t w_eff = exact_part ? w : 0, n_sink_eff = exact_part ? n_sink : 0;
+  // kept heads: the kernel set is keys [ka, kb), the sinks [0, ns), the window [wa, t]
+  const int64_t ka = n_sink_eff, kb = std::max(ka, t - w_eff + 1);
+  const int64_t ns = std::min(n_sink_eff, t + 1), wa = std::max(n_sink_eff, t - w_eff + 1);
+  // parts per kernel head: row ranges of the state when the batch has fewer heads than 2 × threads (split-D), or
+  // blocks of KEPT_BLOCK kept keys (split-K: the kernel part's sums simply add up)
   const int64_t threads = at::get_num_threads();
-  const int64_t R = K ? std::clamp<int64_t>((2 * threads + B * K - 1) / (B * K), 1, 8) : 1;
-  std::vector<float> acc(B * K * R * G * (dv + 1));
-  const RowTable rows(K ? d : 0);
+  const int64_t RP = !K ? 1
+                     : kept ? std::max<int64_t>(1, (kb - ka + KEPT_BLOCK - 1) / KEPT_BLOCK)
+                            : std::clamp<int64_t>((2 * threads + B * K - 1) / (B * K), 1, 8);
+  const int64_t XP = kept && exact_part ? 1 : 0;  // a kept head's softmax part of its sinks and window: one task
+  std::vector<float> acc(B * K * RP * G * (dv + 1));
+  std::vector<float> kept_parts(B * K * XP * 2 * part_size);
+  const RowTable rows(K && !kept ? d : 0);
   auto args = [&](int64_t b, int64_t j) {
     const int64_t h = kh[j], bj = b * K + j;
+    const bool sw = exact_part && !kept;
     return KernelHeadArgs{qp + (b * Hq + h * G) * d,
                           kp + (b * Hkv + h) * d,
                           vp + (b * Hkv + h) * dv,
-                          S.data_ptr<float>() + bj * D * (dv + 1),
-                          wq.data_ptr<float>() + j * G * D,
-                          beta.data_ptr<float>() + j * G,
-                          exact_part ? sink_k.data_ptr<float>() + bj * n_sink * d : nullptr,
-                          exact_part ? sink_v.data_ptr<float>() + bj * n_sink * dv : nullptr,
-                          exact_part ? win_k.data_ptr<float>() + bj * w * d : nullptr,
-                          exact_part ? win_v.data_ptr<float>() + bj * w * dv : nullptr,
+                          kept ? nullptr : S.data_ptr<float>() + bj * D * (dv + 1),
+                          kept ? nullptr : wq.data_ptr<float>() + j * G * D,
+                          beta.numel() ? beta.data_ptr<float>() + j * G : nullptr,
+                          sw ? sink_k.data_ptr<float>() + bj * n_sink * d : nullptr,
+                          sw ? sink_v.data_ptr<float>() + bj * n_sink * dv : nullptr,
+                          sw ? win_k.data_ptr<float>() + bj * w * d : nullptr,
+                          sw ? win_v.data_ptr<float>() + bj * w * dv : nullptr,
                           op + (b * Hq + h * G) * dv};
   };
-  const int64_t w_eff = exact_part ? w : 0, n_sink_eff = exact_part ? n_sink : 0;
+  const float* kkp = kept ? kept_k.data_ptr<float>() : nullptr;
+  const float* kvp = kept ? kept_v.data_ptr<float>() : nullptr;
   const bool enter = t - w_eff >= n_sink_eff;  // a key enters the kernel set (else: a sink, or the window fills)
-  // phase 1: B·K·R row parts of kernel heads, then B·E·P parts of exact heads (similar costs)
-  at::parallel_for(0, B * K * R + B * E * P, 1, [&](int64_t begin, int64_t end) {
+  // phase 1: B·K·RP parts of kernel heads, B·K·XP softmax parts of kept heads, then B·E·P parts of exact heads
+  const int64_t n_kern = B * K * RP, n_kx = B * K * XP;
+  at::parallel_for(0, n_kern + n_kx + B * E * P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      if (task >= B * K * R) {
-        const int64_t x = task - B * K * R, part = x % P, bi = x / P, b = bi / E, i = bi % E, h = eh[i];
+      if (task >= n_kern + n_kx) {
+        const int64_t x = task - n_kern - n_kx, part = x % P, bi = x / P, b = bi / E, i = bi % E, h = eh[i];
         float* slot = parts.data() + x * part_size;
         const int64_t j0 = part * EXACT_BLOCK, j1 = std::min(t + 1, j0 + EXACT_BLOCK);
         auto part_of = [&](const auto* Ks, const auto* Vs) {
@@ -510,12 +670,30 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
         }
         continue;
       }
-      const int64_t bj = task / R, c = task % R;
-      kernel_rows(args(bj / K, bj % K), enter, rows, G, d, dv, w_eff, D * c / R, D * (c + 1) / R,
-                  acc.data() + task * G * (dv + 1));
+      if (task >= n_kern) {  // a kept head's sinks and window, from its kept keys
+        const int64_t bj = task - n_kern, h = kh[bj % K];
+        const float* qg = qp + (bj / K * Hq + h * G) * d;
+        const float *Kb = kkp + bj * capk * d, *Vb = kvp + bj * capk * dv;
+        float *sp = kept_parts.data() + bj * 2 * part_size, *wp = sp + part_size;
+        if (ns > 0) exact_part_of_head(qg, Kb, Vb, sp, sp + G, sp + 2 * G, G, d, dv, 0, ns, float(scale));
+        if (w_eff > 0 && wa <= t)
+          exact_part_of_head(qg, Kb, Vb, wp, wp + G, wp + 2 * G, G, d, dv, wa, t + 1, float(scale));
+        continue;
+      }
+      const int64_t bj = task / RP, c = task % RP;
+      float* a = acc.data() + task * G * (dv + 1);
+      if (kept) {
+        const int64_t j = bj % K, j0 = ka + c * KEPT_BLOCK, j1 = std::min(kb, j0 + KEPT_BLOCK);
+        if (j0 < j1)
+          kernel_part_of_head(qp + (bj / K * Hq + kh[j] * G) * d, fw.data_ptr<float>() + j * G * R * d,
+                              fc.data_ptr<float>() + j * G * R, fc0.data_ptr<float>() + j * G, G, R, d, dv,
+                              kkp + bj * capk * d, kvp + bj * capk * dv, j0, j1, float(scale), a);
+        continue;
+      }
+      kernel_rows(args(bj / K, bj % K), enter, rows, G, d, dv, w_eff, D * c / RP, D * (c + 1) / RP, a);
     }
   });
-  // phase 2: each kernel head from its row parts, each exact head from its split-K parts
+  // phase 2: each kernel head from its parts, each exact head from its split-K parts
   at::parallel_for(0, B * K + B * E, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       if (task >= B * K) {
@@ -523,10 +701,16 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
         combine_exact_parts(parts.data() + bi * P * part_size, P, G, dv, op + (b * Hq + h * G) * dv);
         continue;
       }
-      float* a0 = acc.data() + task * R * G * (dv + 1);
-      for (int64_t c = 1; c < R; ++c) axpy(a0, 1.f, a0 + c * G * (dv + 1), G * (dv + 1));
-      kernel_finish(args(task / K, task % K), a0, G, d, dv, t, n_sink_eff, w_eff, float(scale), float(floor),
-                    exact_part);
+      float* a0 = acc.data() + task * RP * G * (dv + 1);
+      for (int64_t c = 1; c < RP; ++c) axpy(a0, 1.f, a0 + c * G * (dv + 1), G * (dv + 1));
+      const KernelHeadArgs a = args(task / K, task % K);
+      if (!kept) {
+        kernel_finish(a, a0, G, d, dv, t, n_sink_eff, w_eff, float(scale), float(floor), exact_part);
+        continue;
+      }
+      const float* sp = kept_parts.data() + task * XP * 2 * part_size;
+      join_finish(a0, float(kb - ka), a.beta, XP && ns > 0 ? sp : nullptr,
+                  XP && w_eff > 0 && wa <= t ? sp + part_size : nullptr, G, dv, float(floor), a.out);
     }
   });
 }

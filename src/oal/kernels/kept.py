@@ -1,0 +1,157 @@
+"""Kernel heads below the memory crossover keep their keys and values instead of the state ("kept form").
+
+A kernel head's packed state (Eq. 5) holds ``D (dv + 1)`` numbers whatever the context, ``D = 1 + d + d(d+1)/2``:
+for d = dv = 64, 139,425 fp32 (558 KB), as much as the keys and values of 1,089 tokens. Below that a converted
+layer would hold more than the softmax layer it replaces (SmolLM2 at batch 8 and 256 tokens: a 329 MB cache
+against the original's 92 MB), and every decode step would read and write all of it. So the model's cache keeps
+the keys and values of a converted layer's kernel heads while they are the smaller of the two
+(:func:`keep_limit` tokens), and a decode step evaluates the kernel part from them: κ(q, k_j) of every kept key
+through the kernel's factor (Eq. 7 as a sum of squares, :class:`oal.ops.quadratic.KernelFactor`) — the parallel
+form of Eq. 2 for one query, the same kernel as the state's readout (Eq. 6) up to fp32 rounding — in
+``decode.cpp``. When one more token would make them larger than the state, :func:`fold` sums them into the state
+the kernel would have built (Eq. 5; with sinks and a window: the state of the keys that left the window, plus the
+sinks and the window), and decoding continues from it.
+
+The kept form belongs to the cache (:class:`oal.models.state_cache.KernelStateLayer`): the kernels' own API and
+state types are unchanged, and any call that needs the kernel's state (autograd, CUDA, another dtype, several new
+tokens at once, a kernel without this path) gets it from :func:`fold` first. It applies to OAL and the global
+quadratic, with or without sinks and a window, and to the kernel heads of :class:`ExactHeadsKernel` (its exact
+heads keep their keys and values anyway).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..ops.quadratic import cpu as cpu_kernel
+from ..ops.quadratic.utils import feature_dim, key_features
+from ..ops.sink_window import SinkWindowState
+from .hybrid import ExactHeadsKernel, ExactHeadsState
+from .oal import OALKernel
+from .sink_window import SinkWindowKernel
+
+__all__ = ["KEPT_GROWTH", "KeptKV", "fold", "grown", "keep_limit", "start"]
+
+KEPT_GROWTH = 16  # spare slots added to kept keys/values when full (one copy per 16 tokens, ≤ 8 KB per head spare)
+_FOLD_BLOCK = 256  # keys per feature block while folding: a (256, D) block, 2.2 MB for d = 64
+
+
+class KeptKV(NamedTuple):
+    """The kernel heads' keys ``k (B, K, capacity, d)`` and values ``v (B, K, capacity, dv)`` (fp32) of the first
+    ``length`` tokens (slots ``length …`` are spare room the decode step writes into), in place of their state."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int
+
+
+def _inner(kernel) -> OALKernel | SinkWindowKernel | None:
+    """The kernel whose state the kept form replaces: the kernel itself, an exact-heads kernel's inner one (None
+    when every head is exact), None for kernels without this path."""
+    if isinstance(kernel, ExactHeadsKernel):
+        return kernel.inner if kernel.kernel_kv_heads else None
+    return kernel if isinstance(kernel, (OALKernel, SinkWindowKernel)) else None
+
+
+def keep_limit(kernel, d: int, dv: int) -> int:
+    """Tokens up to which a kernel head's fp32 keys and values take no more memory than its state: ``D (dv + 1)
+    / (d + dv)``, plus the sinks and window the state keeps beside it (1,089 and 1,349 for d = dv = 64 with 4
+    sinks and a 256-token window); 0 for kernels without the kept form."""
+    inner = _inner(kernel)
+    if inner is None:
+        return 0
+    extra = inner.n_sink + inner.window if isinstance(inner, SinkWindowKernel) else 0
+    return feature_dim(d) * (dv + 1) // (d + dv) + extra
+
+
+def _kept_heads(kernel, x: torch.Tensor) -> torch.Tensor:
+    """x ``(B, Hkv, n, ·)`` restricted to the heads whose state the kept form replaces."""
+    if isinstance(kernel, ExactHeadsKernel):
+        return x[:, list(kernel.kernel_kv_heads)]
+    return x
+
+
+def _buffer(x: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``x (B, K, n, ·)`` copied into the first n slots of a contiguous fp32 buffer of ``capacity`` slots."""
+    out = x.new_empty(x.shape[0], x.shape[1], capacity, x.shape[3], dtype=torch.float32)
+    out[:, :, : x.shape[2]] = x
+    return out
+
+
+def start(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, object] | None:
+    """A prompt from no state, keeping the kernel heads' keys and values: ``(o (B, Hq, n, dv), state)`` where the
+    state is a :class:`KeptKV` (an :class:`ExactHeadsState` holding one for an exact-heads kernel); the kernel runs
+    without building its final state. None where the kept form does not apply: a kernel without it, a prompt
+    longer than :func:`keep_limit`, not CPU fp32, autograd on, or no fused decode kernel to continue with."""
+    n, d, dv = k.shape[2], k.shape[3], v.shape[3]
+    limit = keep_limit(kernel, d, dv)
+    if not 0 < n <= limit or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k, v)):
+        return None
+    if torch.is_grad_enabled() and (any(p.requires_grad for p in kernel.parameters()) or q.requires_grad):
+        return None
+    if cpu_kernel.load("decode") is None:
+        return None
+    o, _ = kernel(q, k, v)
+    capacity = min(n + KEPT_GROWTH, limit)
+    kept = KeptKV(_buffer(_kept_heads(kernel, k), capacity), _buffer(_kept_heads(kernel, v), capacity), n)
+    if isinstance(kernel, ExactHeadsKernel):
+        ex, kv_dtype = list(kernel.exact_kv_heads), kernel.kv_dtype or k.dtype
+        return o, ExactHeadsState(k[:, ex].to(kv_dtype), v[:, ex].to(kv_dtype), kept, n)
+    return o, kept
+
+
+def _state_of(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The packed state ``Σ_j φ(k_j) [v_j; 1]ᵀ`` (Eq. 5) of keys ``k (B, K, n, d)`` and values ``v (B, K, n, dv)``:
+    ``(B, K, D, dv + 1)`` fp32, one head and one block of keys at a time (features never exceed one block)."""
+    B, K, n, d = k.shape
+    dv = v.shape[-1]
+    S = k.new_zeros(B, K, feature_dim(d), dv + 1, dtype=torch.float32)
+    for b in range(B):
+        for h in range(K):
+            for j in range(0, n, _FOLD_BLOCK):
+                kb, vb = k[b, h, j : j + _FOLD_BLOCK].float(), v[b, h, j : j + _FOLD_BLOCK].float()
+                u = torch.cat([vb, torch.ones_like(vb[:, :1])], dim=-1)
+                S[b, h].addmm_(key_features(kb).mT, u)
+    return S
+
+
+def _fold_inner(inner, kept: KeptKV) -> object:
+    """The state ``inner`` (an :class:`OALKernel` or :class:`SinkWindowKernel`) returns after the kept tokens."""
+    n = kept.length
+    k, v = kept.k[:, :, :n], kept.v[:, :, :n]
+    if not isinstance(inner, SinkWindowKernel):
+        return _state_of(k, v)
+    s, w = inner.n_sink, inner.window
+    B, K, _, d = k.shape
+    dv = v.shape[-1]
+    sink_k, sink_v = k.new_zeros(B, K, s, d), v.new_zeros(B, K, s, dv)
+    win_k, win_v = k.new_zeros(B, K, w, d), v.new_zeros(B, K, w, dv)
+    m = min(s, n)
+    sink_k[:, :, :m], sink_v[:, :, :m] = k[:, :, :m], v[:, :, :m]
+    m = min(w, n)
+    if m:
+        win_k[:, :, w - m :], win_v[:, :, w - m :] = k[:, :, n - m :], v[:, :, n - m :]
+    S = _state_of(k[:, :, s : max(s, n - w)], v[:, :, s : max(s, n - w)])
+    return SinkWindowState(S, sink_k, sink_v, win_k, win_v, n)
+
+
+def fold(kernel, state: object) -> object:
+    """``state`` as the kernel's own state: a kept form is folded into the state the kernel would have returned
+    after the same tokens (Eq. 5); any other state is returned as it is."""
+    if isinstance(state, KeptKV):
+        return _fold_inner(_inner(kernel), state)
+    if isinstance(state, ExactHeadsState) and isinstance(state.inner, KeptKV):
+        return state._replace(inner=_fold_inner(_inner(kernel), state.inner))
+    return state
+
+
+def grown(kept: KeptKV, limit: int) -> KeptKV:
+    """``kept`` with room for slot ``length``: itself if it has it, else its keys and values copied into buffers
+    of ``min(length + KEPT_GROWTH, limit)`` slots (the caller folds before ``length`` reaches ``limit``)."""
+    if kept.k.shape[2] > kept.length and kept.k.is_contiguous() and kept.v.is_contiguous():
+        return kept
+    capacity = min(kept.length + KEPT_GROWTH, limit)
+    n = kept.length
+    return KeptKV(_buffer(kept.k[:, :, :n], capacity), _buffer(kept.v[:, :, :n], capacity), n)

@@ -1,0 +1,175 @@
+"""The kept form (oal.kernels.kept): kernel heads keep their keys and values below the memory crossover, the fused
+decode step evaluates the kernel part from them, and folding gives the state the kernel itself builds. Checked
+against the fp64 naive reference and the kernels' own chunked states: every converted kind, GQA 1 and 3, the
+register-blocked shapes (d = dv ∈ {32, 64, 128}, ≤ 4 query heads per KV head) and the generic ones, prompts of
+1 / 63 / 1000 tokens, steps that cross the limit, hypothesis shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_decode import KINDS, make_kernel, make_qkv, reference
+
+from oal.kernels import ExactHeadsKernel
+from oal.kernels import kept as kept_form
+from oal.kernels.decode import decode_step
+from oal.kernels.hybrid import ExactHeadsState
+from oal.kernels.kept import KEPT_GROWTH, KeptKV, keep_limit
+from oal.ops.quadratic import cpu as cpu_kernel
+from oal.ops.sink_window import SinkWindowState
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernel.load("decode") is None, reason="the fused CPU decode kernel did not build (no C++ compiler?)"
+)
+
+
+def kept_of(state) -> KeptKV | None:
+    inner = state.inner if isinstance(state, ExactHeadsState) else state
+    return inner if isinstance(inner, KeptKV) else None
+
+
+def run_kept(kernel, q, k, v, n_prefill, threads=None):
+    """Prefill n_prefill tokens into the kept form, then decode the rest with the fused step; every token's output
+    and the kept length (None once folded) after each step."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            o, state = kept_form.start(kernel, q[:, :, :n_prefill], k[:, :, :n_prefill], v[:, :, :n_prefill])
+            outs, lengths = [o], [kept_of(state).length]
+            for t in range(n_prefill, q.shape[2]):
+                step = decode_step(kernel, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, t)
+                assert step is not None, "the fused path should apply to CPU fp32 without autograd"
+                o, state = step
+                outs.append(o)
+                kept = kept_of(state)
+                lengths.append(None if kept is None else kept.length)
+    finally:
+        torch.set_num_threads(previous)
+    return torch.cat(outs, dim=2), state, lengths
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("Hq, Hkv", [(3, 3), (9, 3)])
+@pytest.mark.parametrize("n_prefill", [1, 3, 63])
+def test_kept_decode_matches_naive_across_the_limit(kind, Hq, Hkv, n_prefill):
+    """d = 16: the limit is 81 tokens (93 with 4 sinks and an 8-token window); 40 steps cross it from 63."""
+    d, B, steps = 16, 2, 40
+    kernel = make_kernel(kind, Hq, Hkv, d, exact=(Hkv - 1,))
+    limit = keep_limit(kernel, d, d)
+    assert limit == 153 * 17 // 32 + (12 if "sink" in kind else 0)
+    q, k, v = make_qkv(B, Hq, Hkv, n_prefill + steps, d)
+    got, state, lengths = run_kept(kernel, q.float(), k.float(), v.float(), n_prefill)
+    torch.testing.assert_close(got.double(), reference(kernel, q, k, v), atol=2e-5, rtol=1e-4)
+    # kept while at most `limit` tokens, folded by the step that would exceed it
+    want = [n if n <= limit else None for n in range(n_prefill, n_prefill + steps + 1)]
+    assert lengths == want
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [1, 3, 5, 9, 25])
+def test_fold_is_the_kernels_own_state(kind, n):
+    """Folding the kept keys gives the state the chunked kernel returns after the same tokens (fewer tokens than
+    the sinks and than the window included)."""
+    Hq, Hkv, d = 6, 2, 8
+    kernel = make_kernel(kind, Hq, Hkv, d, exact=(0,))
+    q, k, v = (x.float() for x in make_qkv(2, Hq, Hkv, n, d))
+    with torch.no_grad():
+        o_kept, state = kept_form.start(kernel, q, k, v)
+        o_ref, want = kernel(q, k, v, output_final_state=True)
+    torch.testing.assert_close(o_kept, o_ref, rtol=0, atol=0)
+    got = kept_form.fold(kernel, state)
+    if isinstance(want, ExactHeadsState):
+        assert got.offset == want.offset == n
+        torch.testing.assert_close(got.k, want.k, rtol=0, atol=0)
+        torch.testing.assert_close(got.v, want.v, rtol=0, atol=0)
+        got, want = got.inner, want.inner
+    assert type(got) is type(want)
+    as_tuple = lambda x: x if isinstance(x, tuple) else (x,)  # noqa: E731
+    for a, b in zip(as_tuple(got), as_tuple(want), strict=True):
+        if isinstance(a, torch.Tensor):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        else:
+            assert a == b
+    assert kept_form.fold(kernel, want) is want  # a state that is not kept is returned as it is
+
+
+@pytest.mark.parametrize("d, Hq, Hkv", [(64, 9, 3), (32, 2, 2), (128, 4, 1), (64, 10, 2), (64, 3, 3), (24, 6, 2)])
+@pytest.mark.parametrize("kind", ["oal", "exact+sink_window"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kept_blocked_kernel_part(d, Hq, Hkv, kind, threads):
+    """The register-blocked kernel part (d = dv ∈ {32, 64, 128}, ≤ 4 query heads per KV head; 5 per head and d = 24
+    take the generic one) over more keys than one task (256) with a tail that is not a multiple of 16."""
+    base = make_kernel(kind, Hq, Hkv, d, n_sink=4, window=64, exact=(0,) if Hkv <= 2 else (0, Hkv - 1))
+    kernel = base.inner if Hkv == 1 and isinstance(base, ExactHeadsKernel) else base
+    n = min(301, keep_limit(kernel, d, d) - 5)  # d = 32: 284 (plain), d = 24: 164
+    q, k, v = (x * 0.3 for x in make_qkv(1, Hq, Hkv, n + 5, d))
+    got, _, lengths = run_kept(kernel, q.float(), k.float(), v.float(), n, threads)
+    assert lengths[-1] == n + 5
+    torch.testing.assert_close(got.double(), reference(kernel, q, k, v), atol=2e-5, rtol=1e-4)
+
+
+def test_smollm2_shape_at_1000_tokens():
+    """SmolLM2's layer shape (9 / 3 heads, d = 64) with a 1,000-token prompt, under the 1,089-token limit."""
+    kernel = make_kernel("exact+sink_window", 9, 3, 64, n_sink=4, window=256, exact=(1,))
+    q, k, v = (x * 0.3 for x in make_qkv(1, 9, 3, 1003, 64))
+    got, state, lengths = run_kept(kernel, q.float(), k.float(), v.float(), 1000)
+    assert lengths == [1000, 1001, 1002, 1003]
+    assert keep_limit(kernel, 64, 64) == 1089 + 260
+    torch.testing.assert_close(got.double()[:, :, -3:], reference(kernel, q, k, v)[:, :, -3:], atol=2e-5, rtol=1e-4)
+
+
+def test_kept_buffers_grow_in_blocks_and_never_past_the_limit():
+    kernel = make_kernel("oal", 6, 2, 8)  # limit 25
+    q, k, v = (x.float() for x in make_qkv(1, 6, 2, 30, 8))
+    with torch.no_grad():
+        _, state = kept_form.start(kernel, q[:, :, :2], k[:, :, :2], v[:, :, :2])
+        assert state.k.shape[2] == 2 + KEPT_GROWTH and state.k.dtype == torch.float32
+        caps = []
+        for t in range(2, 30):
+            _, state = decode_step(kernel, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, t)
+            caps.append(state.k.shape[2] if isinstance(state, KeptKV) else None)
+    assert caps[:16] == [18] * 16  # written in place into the spare slots
+    assert caps[16:23] == [25] * 7  # then grown to the limit, not past it
+    assert caps[23:] == [None] * 5  # folded: 26 tokens are more than the state
+
+
+def test_start_does_not_apply_where_the_fused_step_does_not():
+    kernel = make_kernel("exact+oal", 6, 2, 8)
+    q, k, v = (x.float() for x in make_qkv(1, 6, 2, 30, 8))
+    assert kept_form.start(kernel, q, k, v) is None  # 30 tokens: more than the 25-token limit
+    assert kept_form.start(kernel, q.double()[:, :, :4], k.double()[:, :, :4], v.double()[:, :, :4]) is None
+    assert kept_form.start(kernel, q.bfloat16()[:, :, :4], k.bfloat16()[:, :, :4], v.bfloat16()[:, :, :4]) is None
+    with torch.enable_grad():
+        assert kept_form.start(kernel, q[:, :, :4], k[:, :, :4], v[:, :, :4]) is None  # trainable parameters
+    every_head_exact = ExactHeadsKernel(kernel.inner, (0, 1))
+    assert keep_limit(every_head_exact, 8, 8) == 0
+    assert kept_form.start(every_head_exact, q[:, :, :4], k[:, :, :4], v[:, :, :4]) is None
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    Hkv=st.integers(1, 3),
+    ratio=st.integers(1, 3),
+    d=st.sampled_from([4, 7, 16]),
+    n_prefill=st.integers(1, 40),
+    n_sink=st.integers(0, 5),
+    window=st.integers(0, 12),
+    B=st.integers(1, 2),
+)
+def test_kept_decode_any_shape(Hkv, ratio, d, n_prefill, n_sink, window, B):
+    Hq = Hkv * ratio
+    kernel = make_kernel("exact+sink_window", Hq, Hkv, d, n_sink=n_sink, window=window, exact=(0,))
+    if Hkv == 1:
+        kernel = kernel.inner
+    n_prefill = min(n_prefill, keep_limit(kernel, d, d))
+    q, k, v = make_qkv(B, Hq, Hkv, n_prefill + 8, d)
+    got, state, _ = run_kept(kernel, q.float(), k.float(), v.float(), n_prefill)
+    torch.testing.assert_close(got.double(), reference(kernel, q, k, v), atol=5e-5, rtol=1e-4)
+    folded = kept_form.fold(kernel, state)
+    inner = folded.inner if isinstance(folded, ExactHeadsState) else folded
+    assert isinstance(inner, SinkWindowState) and inner.offset == n_prefill + 8
