@@ -110,9 +110,9 @@ def test_state_size_does_not_grow_with_the_context(make_model, kernel):
     assert converted == [b for (name, b) in sizes[96] if name == "KernelStateLayer"] and all(converted)
     kv_8 = [b for (name, b) in sizes[8] if name == "ExactKVLayer"]
     kv_96 = [b for (name, b) in sizes[96] if name == "ExactKVLayer"]
-    # softmax layers hold keys and values of every token, in buffers with GROWTH spare slots
-    assert len(kv_8) == 2 and [b // (96 + GROWTH) for b in kv_96] == [b // (8 + GROWTH) for b in kv_8]
-    assert all(b % (8 + GROWTH) == 0 for b in kv_8) and all(b % (96 + GROWTH) == 0 for b in kv_96)
+    # softmax layers hold keys and values of every token (after a prompt: no spare slots)
+    assert len(kv_8) == 2 and [b // 96 for b in kv_96] == [b // 8 for b in kv_8]
+    assert all(b % 8 == 0 for b in kv_8) and all(b % 96 == 0 for b in kv_96)
 
 
 @pytest.mark.parametrize(
@@ -229,15 +229,19 @@ def test_exact_kv_layer_writes_in_place_and_keeps_dynamic_layer_semantics():
     keys, values = layer.update(k0, v0)
     assert torch.equal(keys, k0) and torch.equal(values, v0) and layer.get_seq_length() == 10
     kbuf, _ = layer.buffers(keys)
-    assert kbuf.shape == (2, 3, 10 + GROWTH, 4)
-    assert layer.nbytes == 2 * 3 * (10 + GROWTH) * (4 + 5) * 4  # the spare slots count
-    new = [(torch.randn(2, 3, 1, 4, generator=gen), torch.randn(2, 3, 1, 5, generator=gen)) for _ in range(GROWTH + 1)]
-    for i, (k, v) in enumerate(new):
+    assert kbuf.shape == (2, 3, 10, 4)  # a prompt: no spare slots
+    assert layer.nbytes == 2 * 3 * 10 * (4 + 5) * 4
+    new = [(torch.randn(2, 3, 1, 4, generator=gen), torch.randn(2, 3, 1, 5, generator=gen)) for _ in range(GROWTH + 2)]
+    layer.update(*new[0])
+    kbuf, _ = layer.buffers(layer.keys)
+    assert kbuf.shape == (2, 3, 11 + GROWTH, 4)  # the first step adds GROWTH spare slots
+    assert layer.nbytes == 2 * 3 * (11 + GROWTH) * (4 + 5) * 4  # the spare slots count
+    for i, (k, v) in enumerate(new[1:]):
         keys, values = layer.update(k, v)
         same_buffer = layer.buffers(keys)[0].data_ptr() == kbuf.data_ptr()
         assert same_buffer == (i < GROWTH)  # in place until the buffer is full, then one grown copy
     want_k = torch.cat([k0] + [k for k, _ in new], dim=2)
-    assert torch.equal(keys, want_k) and layer.get_seq_length() == 11 + GROWTH
+    assert torch.equal(keys, want_k) and layer.get_seq_length() == 12 + GROWTH
     assert layer.buffers(keys.clone()) is None  # only the views it returned
     layer.crop(-3)
     keys, _ = layer.update(*new[0])
@@ -281,8 +285,11 @@ def test_kept_keys_hold_less_than_the_state_and_reorder_in_beam_search(make_mode
     cache = KernelCache(model)
     with torch.no_grad():
         model(prompt(1, 5), cache=cache)
-    # 5 tokens + KEPT_GROWTH spare slots of fp32 keys and values, 2 KV heads, d = dv = 8
-    assert layer_nbytes(cache.layers[1]) == 2 * (5 + KEPT_GROWTH) * (8 + 8) * 4 < 2 * (1 + 8 + 36) * 9 * 4
+    # 5 tokens of fp32 keys and values, 2 KV heads, d = dv = 8; the first step adds KEPT_GROWTH spare slots
+    assert layer_nbytes(cache.layers[1]) == 2 * 5 * (8 + 8) * 4 < 2 * (1 + 8 + 36) * 9 * 4
+    with torch.no_grad():
+        model(prompt(1, 1), cache=cache)
+    assert layer_nbytes(cache.layers[1]) == 2 * (6 + KEPT_GROWTH) * (8 + 8) * 4
     ids = prompt(2, 11)
     kw = dict(max_new_tokens=6, num_beams=3, num_return_sequences=2, do_sample=False)
     with torch.no_grad():

@@ -128,13 +128,14 @@ def test_kept_buffers_grow_in_blocks_and_never_past_the_limit():
     q, k, v = (x.float() for x in make_qkv(1, 6, 2, 30, 8))
     with torch.no_grad():
         _, state = kept_form.start(kernel, q[:, :, :2], k[:, :, :2], v[:, :, :2])
-        assert state.k.shape[2] == 2 + KEPT_GROWTH and state.k.dtype == torch.float32
-        caps = []
+        assert state.k.shape[2] == 2 and state.k.dtype == torch.float32  # a prompt: no spare slots
+        caps, ptrs = [], []
         for t in range(2, 30):
             _, state = decode_step(kernel, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, t)
             caps.append(state.k.shape[2] if isinstance(state, KeptKV) else None)
-    assert caps[:16] == [18] * 16  # written in place into the spare slots
-    assert caps[16:23] == [25] * 7  # then grown to the limit, not past it
+            ptrs.append(state.k.data_ptr() if isinstance(state, KeptKV) else None)
+    assert caps[:17] == [3 + KEPT_GROWTH] * 17 and len(set(ptrs[:17])) == 1  # grown once, then written in place
+    assert caps[17:23] == [25] * 6  # grown to the limit, not past it
     assert caps[23:] == [None] * 5  # folded: 26 tokens are more than the state
 
 

@@ -94,8 +94,9 @@ def start(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[to
     if cpu_kernel.load("decode") is None:
         return None
     o, _ = kernel(q, k, v)
-    capacity = min(n + KEPT_GROWTH, limit)
-    kept = KeptKV(_buffer(_kept_heads(kernel, k), capacity), _buffer(_kept_heads(kernel, v), capacity), n)
+    # no spare slots after a prompt (they would raise the prefill's peak memory above the original model's): the
+    # first decode step grows the buffers by KEPT_GROWTH
+    kept = KeptKV(_buffer(_kept_heads(kernel, k), n), _buffer(_kept_heads(kernel, v), n), n)
     if isinstance(kernel, ExactHeadsKernel):
         ex, kv_dtype = list(kernel.exact_kv_heads), kernel.kv_dtype or k.dtype
         return o, ExactHeadsState(k[:, ex].to(kv_dtype), v[:, ex].to(kv_dtype), kept, n)
@@ -149,9 +150,9 @@ def fold(kernel, state: object) -> object:
 
 def grown(kept: KeptKV, limit: int) -> KeptKV:
     """``kept`` with room for slot ``length``: itself if it has it, else its keys and values copied into buffers
-    of ``min(length + KEPT_GROWTH, limit)`` slots (the caller folds before ``length`` reaches ``limit``)."""
+    of ``min(length + 1 + KEPT_GROWTH, limit)`` slots (the caller folds before ``length`` reaches ``limit``)."""
     if kept.k.shape[2] > kept.length and kept.k.is_contiguous() and kept.v.is_contiguous():
         return kept
-    capacity = min(kept.length + KEPT_GROWTH, limit)
+    capacity = min(kept.length + 1 + KEPT_GROWTH, limit)
     n = kept.length
     return KeptKV(_buffer(kept.k[:, :, :n], capacity), _buffer(kept.v[:, :, :n], capacity), n)

@@ -216,8 +216,9 @@ class ExactKVLayer(DynamicLayer):
     SmolLM2 layer and token); here the new tokens go into the buffer ``(B, Hkv, capacity, d)`` and :attr:`keys` /
     :attr:`values` are the views of its first :meth:`get_seq_length` slots, so every ``DynamicLayer`` method
     (crop, reorder, batch selection, masks) keeps its meaning; a method that replaces the views by other tensors
-    (beam reordering) simply makes the next update start a new buffer. The buffer is grown by ``GROWTH`` (64)
-    slots when full (one copy per GROWTH tokens). :meth:`buffers` hands the buffers to the fused one-token softmax
+    (beam reordering) simply makes the next update start a new buffer. A prompt into an empty entry fills a buffer
+    of its exact size; later the buffer is grown by ``GROWTH`` (64) spare slots when full (one copy per GROWTH
+    tokens). :meth:`buffers` hands the buffers to the fused one-token softmax
     step (:func:`oal.kernels.decode.softmax_decode_step`), which reads every key once for all query heads of its
     KV head.
     """
@@ -255,8 +256,11 @@ class ExactKVLayer(DynamicLayer):
         used = self.get_seq_length()
         n = key_states.shape[-2]
         if not self._owns_views() or used + n > self._kbuf.shape[2]:
-            kbuf = key_states.new_empty(*key_states.shape[:2], used + n + GROWTH, key_states.shape[3])
-            vbuf = value_states.new_empty(*value_states.shape[:2], used + n + GROWTH, value_states.shape[3])
+            # a prompt into an empty cache gets no spare slots (they would raise the prefill's peak memory above
+            # the original model's), the first step after it GROWTH
+            spare = GROWTH if used else 0
+            kbuf = key_states.new_empty(*key_states.shape[:2], used + n + spare, key_states.shape[3])
+            vbuf = value_states.new_empty(*value_states.shape[:2], used + n + spare, value_states.shape[3])
             if used:
                 kbuf[:, :, :used] = self.keys
                 vbuf[:, :, :used] = self.values
