@@ -1,8 +1,8 @@
 """Decode steps of a converted model across the kept form's crossover (oal.kernels.kept): a prompt a few tokens
 below the limit, then greedy steps through it, with the cache that keeps the kernel heads' keys and values
 (``keep_keys=True``, the default) and with the one that keeps their state from the first token, alternating in
-one process. Prints each step's latency and the cache size after it; the step that folds the kept keys into
-the state shows as one slow step.
+one process. Prints each step's latency and the cache size after it; the steps that fold layers' kept keys into
+their states (layer i at the limit + i mod 32 tokens, oal.kernels.kept.fold_point) show as slower ones.
 
     python benchmarks/kept_crossover.py --converted docs/results/conversion/model --threads 2
     python benchmarks/kept_crossover.py --plain 3-26 --threads 2   # plain OAL, synthetic groups
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--converted", default="docs/results/conversion/model")
     ap.add_argument("--plain", default=None, help="layers for plain OAL with synthetic groups instead")
     ap.add_argument("--before", type=int, default=6, help="prompt length = limit - before")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)

@@ -274,8 +274,8 @@ def test_kept_keys_below_the_crossover_then_the_state(make_model, kernel):
             out = model(nxt, cache=cache)
         got_state, _ = cached_greedy(model, ids, 24, cache=caches[False])
     assert torch.equal(seq[:, :-1], want[:, :-1]) and torch.equal(got_state, want)
-    # prompt 9 .. 25 tokens kept (17 entries), then folded into the state
-    assert seen == ["KeptKV"] * 17 + ["Tensor"] * 7
+    # prompt 9 .. 26 tokens kept (18 entries: the limit, 25, plus layer 1's place in the folds' spread), then folded
+    assert seen == ["KeptKV"] * 18 + ["Tensor"] * 6
     state_bytes = 2 * 2 * (1 + 8 + 36) * 9 * 4  # batch 2, 2 KV heads
     assert layer_nbytes(caches[True].layers[1]) == layer_nbytes(caches[False].layers[1]) == state_bytes
 

@@ -16,7 +16,7 @@ from oal.kernels import ExactHeadsKernel
 from oal.kernels import kept as kept_form
 from oal.kernels.decode import decode_step
 from oal.kernels.hybrid import ExactHeadsState
-from oal.kernels.kept import KEPT_GROWTH, KeptKV, keep_limit
+from oal.kernels.kept import FOLD_SPREAD, KEPT_GROWTH, KeptKV, keep_limit
 from oal.ops.quadratic import cpu as cpu_kernel
 from oal.ops.sink_window import SinkWindowState
 
@@ -175,3 +175,24 @@ def test_kept_decode_any_shape(Hkv, ratio, d, n_prefill, n_sink, window, B):
     folded = kept_form.fold(kernel, state)
     inner = folded.inner if isinstance(folded, ExactHeadsState) else folded
     assert isinstance(inner, SinkWindowState) and inner.offset == n_prefill + 8
+
+
+@pytest.mark.parametrize("layer", [None, 0, 3, 35])
+def test_layers_fold_on_different_tokens(layer):
+    """Layer i folds (i mod FOLD_SPREAD) tokens after the limit (one decode step folds one or two layers of a model,
+    not all), with the same outputs; the kept keys then hold no more than a softmax layer's keys and values."""
+    kernel = make_kernel("sink_window", 6, 2, 8)  # limit 25 + 4 sinks + an 8-token window = 37
+    q, k, v = make_qkv(1, 6, 2, 45, 8)
+    point = kept_form.fold_point(kernel, 8, 8, layer)
+    assert point == 37 + (0 if layer is None else layer % FOLD_SPREAD)
+    with torch.no_grad():
+        o, state = kept_form.start(kernel, q.float()[:, :, :30], k.float()[:, :, :30], v.float()[:, :, :30])
+        outs, kept = [o], []
+        for t in range(30, 45):
+            args = (q.float()[:, :, t : t + 1], k.float()[:, :, t : t + 1], v.float()[:, :, t : t + 1])
+            o, state = decode_step(kernel, *args, state, t, layer)
+            outs.append(o)
+            kept.append(isinstance(state, KeptKV))
+    assert kept == [t + 1 <= point for t in range(30, 45)]
+    assert state.k.shape[2] <= point if isinstance(state, KeptKV) else isinstance(state, SinkWindowState)
+    torch.testing.assert_close(torch.cat(outs, 2).double(), reference(kernel, q, k, v), atol=2e-5, rtol=1e-4)

@@ -114,14 +114,16 @@ def _grown(x: torch.Tensor, used: int) -> torch.Tensor:
     return out
 
 
-def decode_step(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object, past: int):
+def decode_step(
+    kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object, past: int, layer: int | None = None
+):
     """One token: q ``(B, Hq, 1, d)``, k ``(B, Hkv, 1, d)``, v ``(B, Hkv, 1, dv)`` after ``past`` tokens whose
     state is ``state`` (as ``kernel.forward(..., output_final_state=True)`` returned it, or its kept form from
     :func:`oal.kernels.kept.start`; written in place).
 
     Returns ``(o (B, Hq, 1, dv), new state)`` equal to the kernel's recurrent step (the new state kept while
-    the kept keys stay below :func:`oal.kernels.kept.keep_limit`, folded otherwise), or None when the fused path
-    does not apply (see the module docstring)."""
+    the kept keys stay within :func:`oal.kernels.kept.fold_point` of the model's layer ``layer``, folded otherwise),
+    or None when the fused path does not apply (see the module docstring)."""
     if state is None or not _usable(kernel, q, k, v):
         return None
     oal, sw, exact, rest, _ = _parts(kernel)
@@ -129,7 +131,7 @@ def decode_step(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state
     if isinstance(inner, kept_form.KeptKV):
         if inner.length != past:
             return None
-        limit = kept_form.keep_limit(kernel, q.shape[-1], v.shape[-1])
+        limit = kept_form.fold_point(kernel, q.shape[-1], v.shape[-1], layer)
         if past + 1 > limit:
             state = kept_form.fold(kernel, state)
             inner = state.inner if isinstance(state, ExactHeadsState) else state
