@@ -173,8 +173,8 @@ def test_not_applicable_calls_return_none():
         assert decode_step(kernel, *step, state, 5) is None
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
+# decode shapes for hypothesis: KV heads, query heads per KV head, head dim, prompt, sinks, window, batch
+DECODE_SHAPES = dict(
     Hkv=st.integers(1, 3),
     ratio=st.integers(1, 3),
     d=st.sampled_from([4, 7, 16]),
@@ -183,6 +183,10 @@ def test_not_applicable_calls_return_none():
     window=st.integers(0, 12),
     B=st.integers(1, 2),
 )
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**DECODE_SHAPES)
 def test_fused_decode_any_shape(Hkv, ratio, d, n_prefill, n_sink, window, B):
     Hq = Hkv * ratio
     kernel = make_kernel("exact+sink_window", Hq, Hkv, d, n_sink=n_sink, window=window, exact=(0,))

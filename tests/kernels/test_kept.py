@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from test_decode import KINDS, make_kernel, make_qkv, reference
+from test_decode import DECODE_SHAPES, KINDS, make_kernel, make_qkv, reference
 
 from oal.kernels import ExactHeadsKernel
 from oal.kernels import kept as kept_form
@@ -154,15 +153,7 @@ def test_start_does_not_apply_where_the_fused_step_does_not():
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    Hkv=st.integers(1, 3),
-    ratio=st.integers(1, 3),
-    d=st.sampled_from([4, 7, 16]),
-    n_prefill=st.integers(1, 40),
-    n_sink=st.integers(0, 5),
-    window=st.integers(0, 12),
-    B=st.integers(1, 2),
-)
+@given(**DECODE_SHAPES)
 def test_kept_decode_any_shape(Hkv, ratio, d, n_prefill, n_sink, window, B):
     Hq = Hkv * ratio
     kernel = make_kernel("exact+sink_window", Hq, Hkv, d, n_sink=n_sink, window=window, exact=(0,))
