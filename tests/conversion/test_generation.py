@@ -154,9 +154,14 @@ def test_bf16_model_generates_with_fp32_kernels_and_states(make_model):
         out = model.generate(prompt(1, 9), max_new_tokens=4, do_sample=False, cache=cache)
     assert out.shape == (1, 13)
     assert model.model.layers[1].self_attn.oal_kernel.L.dtype == torch.float32
-    # 13 tokens: the converted layer keeps its keys and values (fp32, as the kernel computes), the others bf16
+    # 13 tokens: the converted layer keeps its keys and values in the model's bf16 (exactly what the kernel read,
+    # widened), the state it folds into is fp32
     state = cache.layers[1].state
-    assert state.k.dtype == state.v.dtype == torch.float32 and cache.layers[0].keys.dtype == torch.bfloat16
+    assert state.k.dtype == state.v.dtype == torch.bfloat16 and cache.layers[0].keys.dtype == torch.bfloat16
+    cache = KernelCache(model, keep_keys=False)
+    with torch.no_grad():
+        model.generate(prompt(1, 9), max_new_tokens=4, do_sample=False, cache=cache)
+    assert cache.layers[1].state.dtype == torch.float32
 
 
 def test_stale_caches_are_refused(make_model):

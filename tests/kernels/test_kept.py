@@ -187,3 +187,38 @@ def test_layers_fold_on_different_tokens(layer):
     assert kept == [t + 1 <= point for t in range(30, 45)]
     assert state.k.shape[2] <= point if isinstance(state, KeptKV) else isinstance(state, SinkWindowState)
     torch.testing.assert_close(torch.cat(outs, 2).double(), reference(kernel, q, k, v), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("d", [8, 64])
+def test_bf16_model_keeps_bf16_keys_exactly(kind, d):
+    """A bf16 model's keys and values are bf16 numbers: kept in bf16 they give the fp32 kept form's outputs and fold
+    into the same state, at half the bytes (twice the limit)."""
+    Hq, Hkv = 6, 2
+    kernel = make_kernel(kind, Hq, Hkv, d, exact=(0,))
+    assert keep_limit(kernel, d, d, 2) == 2 * keep_limit(kernel, d, d)
+    n = min(40, keep_limit(kernel, d, d))  # both kept throughout (d = 8: the fp32 limit is 25 tokens)
+    q, k, v = ((x * (0.3 if d == 64 else 1)).bfloat16().float() for x in make_qkv(2, Hq, Hkv, n, d))
+    runs = {}
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            o, state = kept_form.start(kernel, q[:, :, : n // 2], k[:, :, : n // 2], v[:, :, : n // 2], dtype)
+            assert kept_of(state).k.dtype == dtype
+            outs = [o]
+            for t in range(n // 2, n):
+                args = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+                o, state = decode_step(kernel, *args, state, t)
+                outs.append(o)
+            runs[dtype] = (torch.cat(outs, 2), kept_form.fold(kernel, state))
+    (o32, s32), (o16, s16) = runs[torch.float32], runs[torch.bfloat16]
+    torch.testing.assert_close(o16, o32, rtol=0, atol=0)
+    if isinstance(s32, ExactHeadsState):  # the exact heads' buffers: their first n slots (the rest is spare room)
+        torch.testing.assert_close(s16.k[:, :, :n], s32.k[:, :, :n], rtol=0, atol=0)
+        s16, s32 = s16.inner, s32.inner
+    as_tuple = lambda x: x if isinstance(x, tuple) else (x,)  # noqa: E731
+    for a, b in zip(as_tuple(s16), as_tuple(s32), strict=True):
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype == torch.float32
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        else:
+            assert a == b

@@ -131,7 +131,7 @@ def decode_step(
     if isinstance(inner, kept_form.KeptKV):
         if inner.length != past:
             return None
-        limit = kept_form.fold_point(kernel, q.shape[-1], v.shape[-1], layer)
+        limit = kept_form.fold_point(kernel, q.shape[-1], v.shape[-1], layer, inner.k.element_size())
         if past + 1 > limit:
             state = kept_form.fold(kernel, state)
             inner = state.inner if isinstance(state, ExactHeadsState) else state
@@ -149,7 +149,7 @@ def decode_step(
     S = sink_k = sink_v = win_k = win_v = kept_k = kept_v = _EMPTY
     if rest and kept:
         kept_k, kept_v = inner.k, inner.v
-        if not _on_cpu(kept_k, kept_v):
+        if not _on_cpu(kept_k, kept_v, dtype=kept_k.dtype) or kept_k.dtype not in (torch.float32, torch.bfloat16):
             return None
     elif rest:
         if sw is not None:

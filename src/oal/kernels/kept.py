@@ -42,7 +42,8 @@ _FOLD_BLOCK = 512  # keys per feature block while folding: a (512, D) block, 4.4
 
 
 class KeptKV(NamedTuple):
-    """The kernel heads' keys ``k (B, K, capacity, d)`` and values ``v (B, K, capacity, dv)`` (fp32) of the first
+    """The kernel heads' keys ``k (B, K, capacity, d)`` and values ``v (B, K, capacity, dv)`` (fp32, or bf16 for a
+    bf16 model) of the first
     ``length`` tokens (slots ``length …`` are spare room the decode step writes into), in place of their state."""
 
     k: torch.Tensor
@@ -58,23 +59,24 @@ def _inner(kernel) -> OALKernel | SinkWindowKernel | None:
     return kernel if isinstance(kernel, (OALKernel, SinkWindowKernel)) else None
 
 
-def keep_limit(kernel, d: int, dv: int) -> int:
-    """Tokens up to which a kernel head's fp32 keys and values take no more memory than its state: ``D (dv + 1)
-    / (d + dv)``, plus the sinks and window the state keeps beside it (1,089 and 1,349 for d = dv = 64 with 4
-    sinks and a 256-token window); 0 for kernels without the kept form."""
+def keep_limit(kernel, d: int, dv: int, itemsize: int = 4) -> int:
+    """Tokens up to which a kernel head's keys and values (``itemsize`` bytes a number: 4, or 2 for a bf16 model)
+    take no more memory than its fp32 state, ``D (dv + 1)`` numbers, and the sinks and window (fp32) the state keeps
+    beside it: 1,089 fp32 tokens for d = dv = 64 (1,349 with 4 sinks and a 256-token window), twice as many in
+    bf16; 0 for kernels without the kept form."""
     inner = _inner(kernel)
     if inner is None:
         return 0
     extra = inner.n_sink + inner.window if isinstance(inner, SinkWindowKernel) else 0
-    return feature_dim(d) * (dv + 1) // (d + dv) + extra
+    return (feature_dim(d) * (dv + 1) + extra * (d + dv)) * 4 // ((d + dv) * itemsize)
 
 
-def fold_point(kernel, d: int, dv: int, layer: int | None = None) -> int:
+def fold_point(kernel, d: int, dv: int, layer: int | None = None, itemsize: int = 4) -> int:
     """The context length a kept form may reach before it is folded: :func:`keep_limit`, plus ``layer mod
     FOLD_SPREAD`` tokens for layer ``layer`` of a model. Past the limit the kept keys and values take a little more
     memory than the state would (at most FOLD_SPREAD - 1 tokens' worth), but never more than the softmax layer's
     keys and values of the same context."""
-    limit = keep_limit(kernel, d, dv)
+    limit = keep_limit(kernel, d, dv, itemsize)
     return limit + (layer % FOLD_SPREAD if limit and layer is not None else 0)
 
 
@@ -85,20 +87,25 @@ def _kept_heads(kernel, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _buffer(x: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``x (B, K, n, ·)`` copied into the first n slots of a contiguous fp32 buffer of ``capacity`` slots."""
-    out = x.new_empty(x.shape[0], x.shape[1], capacity, x.shape[3], dtype=torch.float32)
+def _buffer(x: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+    """``x (B, K, n, ·)`` copied into the first n slots of a contiguous ``dtype`` buffer of ``capacity`` slots."""
+    out = x.new_empty(x.shape[0], x.shape[1], capacity, x.shape[3], dtype=dtype)
     out[:, :, : x.shape[2]] = x
     return out
 
 
-def start(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, object] | None:
+def start(
+    kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, object] | None:
     """A prompt from no state, keeping the kernel heads' keys and values: ``(o (B, Hq, n, dv), state)`` where the
     state is a :class:`KeptKV` (an :class:`ExactHeadsState` holding one for an exact-heads kernel); the kernel runs
-    without building its final state. None where the kept form does not apply: a kernel without it, a prompt
-    longer than :func:`keep_limit`, not CPU fp32, autograd on, or no fused decode kernel to continue with."""
+    without building its final state. q, k, v are fp32; ``model_dtype`` is the dtype they came in: for a bf16 model
+    the keys and values are kept in bf16, exactly (they are bf16 numbers), else in fp32. None where the kept form
+    does not apply: a kernel without it, a prompt longer than :func:`keep_limit`, not CPU fp32, autograd on, or no
+    fused decode kernel to continue with."""
+    dtype = torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
     n, d, dv = k.shape[2], k.shape[3], v.shape[3]
-    limit = keep_limit(kernel, d, dv)
+    limit = keep_limit(kernel, d, dv, dtype.itemsize)
     if not 0 < n <= limit or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k, v)):
         return None
     if torch.is_grad_enabled() and (any(p.requires_grad for p in kernel.parameters()) or q.requires_grad):
@@ -108,7 +115,7 @@ def start(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[to
     o, _ = kernel(q, k, v)
     # no spare slots after a prompt (they would raise the prefill's peak memory above the original model's): the
     # first decode step grows the buffers by KEPT_GROWTH
-    kept = KeptKV(_buffer(_kept_heads(kernel, k), n), _buffer(_kept_heads(kernel, v), n), n)
+    kept = KeptKV(_buffer(_kept_heads(kernel, k), n, dtype), _buffer(_kept_heads(kernel, v), n, dtype), n)
     if isinstance(kernel, ExactHeadsKernel):
         ex, kv_dtype = list(kernel.exact_kv_heads), kernel.kv_dtype or k.dtype
         return o, ExactHeadsState(k[:, ex].to(kv_dtype), v[:, ex].to(kv_dtype), kept, n)
@@ -144,8 +151,9 @@ def _fold_inner(inner, kept: KeptKV) -> object:
     s, w = inner.n_sink, inner.window
     B, K, _, d = k.shape
     dv = v.shape[-1]
-    sink_k, sink_v = k.new_zeros(B, K, s, d), v.new_zeros(B, K, s, dv)
-    win_k, win_v = k.new_zeros(B, K, w, d), v.new_zeros(B, K, w, dv)
+    f32 = torch.float32  # the kernel's inputs' dtype (bf16 kept keys are widened, exactly)
+    sink_k, sink_v = k.new_zeros(B, K, s, d, dtype=f32), v.new_zeros(B, K, s, dv, dtype=f32)
+    win_k, win_v = k.new_zeros(B, K, w, d, dtype=f32), v.new_zeros(B, K, w, dv, dtype=f32)
     m = min(s, n)
     sink_k[:, :, :m], sink_v[:, :, :m] = k[:, :, :m], v[:, :, :m]
     m = min(w, n)
@@ -172,4 +180,5 @@ def grown(kept: KeptKV, limit: int) -> KeptKV:
         return kept
     capacity = min(kept.length + 1 + KEPT_GROWTH, limit)
     n = kept.length
-    return KeptKV(_buffer(kept.k[:, :, :n], capacity), _buffer(kept.v[:, :, :n], capacity), n)
+    k, v = (_buffer(x[:, :, :n], capacity, x.dtype) for x in (kept.k, kept.v))
+    return KeptKV(k, v, n)

@@ -212,7 +212,7 @@ def _kernel_attention(
     q, k, v = (x.float() if x.dtype in _HALF else x for x in (query, key, value))
     with torch.autocast(q.device.type, enabled=False):
         if valid is not None or (layer is not None and isinstance(layer.state, RowStates)):
-            o = _padded_attention(where, kernel, q, k, v, valid, layer, past, module.layer_idx)
+            o = _padded_attention(where, kernel, q, k, v, valid, layer, past, module.layer_idx, key.dtype)
         elif layer is None:
             o, _ = kernel(q, k, v)
         else:
@@ -222,21 +222,21 @@ def _kernel_attention(
                     f"{where}: the kernel returned no recurrent state for the first {past} tokens, so this cache "
                     "cannot continue; run the model with use_cache=False"
                 )
-            o, state = _step(kernel, q, k, v, state, past, layer.keep_keys, module.layer_idx)
+            o, state = _step(kernel, q, k, v, state, past, layer.keep_keys, module.layer_idx, key.dtype)
             layer.put(state)
     return o.to(value.dtype).transpose(1, 2).contiguous()
 
 
-def _step(kernel: AttentionKernel, q, k, v, state, past: int, keep: bool, layer_idx: int):
+def _step(kernel: AttentionKernel, q, k, v, state, past: int, keep: bool, layer_idx: int, model_dtype: torch.dtype):
     """The kernel on new tokens after ``past`` tokens summarised by ``state``: ``(o, new state)``. A prompt from
     no state keeps the kernel heads' keys and values while they are smaller than the state (``keep``; the kept form
-    of :mod:`oal.kernels.kept`, folded at model layer ``layer_idx``'s fold point). One-token steps take the fused
-    in-place step (the cache owns the state), else the kernel's own recurrent mode (autograd, non-fp32, other
-    kernels, no compiler); several tokens the chunked mode; both from the kernel's own state (a kept form folded
-    into it first)."""
+    of :mod:`oal.kernels.kept`, in bf16 for a bf16 ``model_dtype``, folded at model layer ``layer_idx``'s fold
+    point). One-token steps take the fused in-place step (the cache owns the state), else the kernel's own recurrent
+    mode (autograd, non-fp32, other kernels, no compiler); several tokens the chunked mode; both from the kernel's
+    own state (a kept form folded into it first)."""
     n = q.shape[2]
     if keep and state is None:
-        started = kept_form.start(kernel, q, k, v)
+        started = kept_form.start(kernel, q, k, v, model_dtype)
         if started is not None:
             return started
     fused = decode_step(kernel, q, k, v, state, past, layer_idx) if n == 1 else None
@@ -256,6 +256,7 @@ def _padded_attention(
     layer: KernelStateLayer | None,
     past: int,
     layer_idx: int,
+    model_dtype: torch.dtype,
 ) -> torch.Tensor:
     """A padded batch, row by row: each row's kernel sees only its valid tokens (the contiguous block
     :func:`_key_validity` checked), from its own state, exactly as that sequence alone would; padding queries
@@ -293,7 +294,7 @@ def _padded_attention(
                 f"{where}: row {b} continues after padding (a right-padded sequence cannot be extended from the "
                 "cache); pad on the left for generation"
             )
-        o[sl], state_b = _step(kernel, q[sl], k[sl], v[sl], rows.rows[b], seen, layer.keep_keys, layer_idx)
+        o[sl], state_b = _step(kernel, q[sl], k[sl], v[sl], rows.rows[b], seen, layer.keep_keys, layer_idx, model_dtype)
         rows = rows.replace_row(b, state_b, seen + (e - s))
     if layer is not None:
         layer.put(rows)

@@ -400,10 +400,11 @@ void exact_part_of_head(const float* q, const T* K, const T* V, float* M, float*
 // Kernel heads that keep their keys and values instead of the state (below the memory crossover; the kept form of
 // ../../../kernels/kept.py): the kernel part from the keys, through the kernel's factor (Eq. 7 as a sum of R
 // squares, utils.KernelFactor): κ_g(k) = c0_g + Σ_m (c_gm + p_gm · k)², with p_gm = scale · W_gm ⊙ q_g the query's
-// side. acc (G, dv+1) += Σ_j κ_g(k_j) [v_j, 1] over keys [j0, j1). The scores of 16 keys at a time for each of
-// the G·R rows of p, summed by one reduction tree (as exact_part_fast), κ and the weighted values in registers.
-template <int G, int ND, int NV>
-void kernel_part_fast(const float* p, const float* c, const float* c0, int64_t R, const float* K, const float* V,
+// side. acc (G, dv+1) += Σ_j κ_g(k_j) [v_j, 1] over keys [j0, j1), stored as T (fp32, or bf16 as uint16 for a bf16
+// model, whose keys are bf16 numbers to begin with). The scores of 16 keys at a time for each of the G·R rows of
+// p, summed by one reduction tree (as exact_part_fast), κ and the weighted values in registers.
+template <typename T, int G, int ND, int NV>
+void kernel_part_fast(const float* p, const float* c, const float* c0, int64_t R, const T* K, const T* V,
                       int64_t j0, int64_t j1, float* acc) {
   constexpr int64_t d = 16 * ND, dv = 16 * NV, dv1 = dv + 1;
   v16 o[G][NV], den[G];
@@ -414,7 +415,7 @@ void kernel_part_fast(const float* p, const float* c, const float* c0, int64_t R
   float kap[G][16];
   int64_t j = j0;
   for (; j + 16 <= j1; j += 16) {
-    const float* kb = K + j * d;
+    const T* kb = K + j * d;
     for (int g = 0; g < G; ++g) {
       v16 kv = splat16(c0[g]);
       for (int64_t m = 0; m < R; ++m) {
@@ -441,9 +442,9 @@ void kernel_part_fast(const float* p, const float* c, const float* c0, int64_t R
       }
     }
   }
-  float tail[G] = {};
+  float tail[G] = {}, kbuf[d];
   for (; j < j1; ++j) {  // the last keys one at a time
-    const float* kj = K + j * d;
+    const float* kj = row_f32(K + j * d, d, kbuf);
     for (int g = 0; g < G; ++g) {
       float kv = c0[g];
       for (int64_t m = 0; m < R; ++m) {
@@ -464,45 +465,51 @@ void kernel_part_fast(const float* p, const float* c, const float* c0, int64_t R
 }
 
 // the same for any G, d and dv, one key at a time
+template <typename T>
 void kernel_part_any(const float* p, const float* c, const float* c0, int64_t G, int64_t R, int64_t d, int64_t dv,
-                     const float* K, const float* V, int64_t j0, int64_t j1, float* acc) {
-  for (int64_t j = j0; j < j1; ++j)
+                     const T* K, const T* V, int64_t j0, int64_t j1, float* acc) {
+  std::vector<float> kbuf(d), vbuf(dv);
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* kj = row_f32(K + j * d, d, kbuf.data());
+    const float* vj = row_f32(V + j * dv, dv, vbuf.data());
     for (int64_t g = 0; g < G; ++g) {
       float kv = c0[g];
       for (int64_t m = 0; m < R; ++m) {
-        const float z = c[g * R + m] + dot(p + (g * R + m) * d, K + j * d, d);
+        const float z = c[g * R + m] + dot(p + (g * R + m) * d, kj, d);
         kv += z * z;
       }
-      axpy(acc + g * (dv + 1), kv, V + j * dv, dv);
+      axpy(acc + g * (dv + 1), kv, vj, dv);
       acc[g * (dv + 1) + dv] += kv;
     }
+  }
 }
 
-template <int ND>
-bool kernel_part_g(int64_t G, const float* p, const float* c, const float* c0, int64_t R, const float* K,
-                   const float* V, int64_t j0, int64_t j1, float* acc) {
+template <typename T, int ND>
+bool kernel_part_g(int64_t G, const float* p, const float* c, const float* c0, int64_t R, const T* K, const T* V,
+                   int64_t j0, int64_t j1, float* acc) {
   switch (G) {
-    case 1: kernel_part_fast<1, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
-    case 2: kernel_part_fast<2, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
-    case 3: kernel_part_fast<3, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
-    case 4: kernel_part_fast<4, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
+    case 1: kernel_part_fast<T, 1, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
+    case 2: kernel_part_fast<T, 2, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
+    case 3: kernel_part_fast<T, 3, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
+    case 4: kernel_part_fast<T, 4, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
     default: return false;
   }
 }
 
 // one part of a kept kernel head: the G queries q (G, d) against keys [j0, j1) with the factor W (G, R, d),
 // c (G, R), c0 (G,) of the group's query heads; acc (G, dv+1) += the part's numerators and denominators
+template <typename T>
 void kernel_part_of_head(const float* q, const float* W, const float* c, const float* c0, int64_t G, int64_t R,
-                         int64_t d, int64_t dv, const float* K, const float* V, int64_t j0, int64_t j1, float scale,
+                         int64_t d, int64_t dv, const T* K, const T* V, int64_t j0, int64_t j1, float scale,
                          float* acc) {
   std::vector<float> p(G * R * d);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t m = 0; m < R; ++m)
       for (int64_t r = 0; r < d; ++r) p[(g * R + m) * d + r] = scale * W[(g * R + m) * d + r] * q[g * d + r];
   bool done = false;
-  if (d == dv && d == 32) done = kernel_part_g<2>(G, p.data(), c, c0, R, K, V, j0, j1, acc);
-  if (d == dv && d == 64) done = kernel_part_g<4>(G, p.data(), c, c0, R, K, V, j0, j1, acc);
-  if (d == dv && d == 128) done = kernel_part_g<8>(G, p.data(), c, c0, R, K, V, j0, j1, acc);
+  if (d == dv && d == 32) done = kernel_part_g<T, 2>(G, p.data(), c, c0, R, K, V, j0, j1, acc);
+  if (d == dv && d == 64) done = kernel_part_g<T, 4>(G, p.data(), c, c0, R, K, V, j0, j1, acc);
+  if (d == dv && d == 128) done = kernel_part_g<T, 8>(G, p.data(), c, c0, R, K, V, j0, j1, acc);
   if (!done) kernel_part_any(p.data(), c, c0, G, R, d, dv, K, V, j0, j1, acc);
 }
 
@@ -531,7 +538,7 @@ void combine_exact_parts(const float* parts, int64_t P, int64_t G, int64_t dv, f
 // written).
 // kern_heads (K,) int64, and either (kept false) the state S (B, K, D, dv+1), wq (K·G, D), beta (K·G,),
 // sink_k/v (B, K, n_sink, ·), win_k/v (B, K, w, ·), or (kept true) the heads' keys and values kept_k
-// (B, K, capk, d), kept_v (B, K, capk, dv) fp32 with capk > t (slot t is written), the factor fw (K·G, R, d),
+// (B, K, capk, d), kept_v (B, K, capk, dv) fp32 or bf16 with capk > t (slot t is written), the factor fw (K·G, R, d),
 // fc (K·G, R), fc0 (K·G,) and beta (K·G,). exact_part: whether the kernel heads have sinks / a window (else plain
 // kernel).
 void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Tensor& exact_heads,
@@ -561,9 +568,13 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
     cap = ex_k.size(2);
     TORCH_CHECK(cap > t && ex_v.size(2) == cap, "ex_k, ex_v: expected a capacity above t=", t);
   }
+  bool kept_bf16 = false;  // kept keys and values stored in bf16 (a bf16 model's, exactly)
   if (K && kept) {
-    check_f32(kept_k, "kept_k", 4);
-    check_f32(kept_v, "kept_v", 4);
+    kept_bf16 = kept_k.scalar_type() == at::kBFloat16;
+    TORCH_CHECK((kept_bf16 || kept_k.scalar_type() == at::kFloat) && kept_v.scalar_type() == kept_k.scalar_type() &&
+                    kept_k.is_contiguous() && kept_v.is_contiguous() && kept_k.dim() == 4 && kept_v.dim() == 4 &&
+                    kept_k.device().is_cpu() && kept_v.device().is_cpu(),
+                "kept_k, kept_v: expected contiguous CPU float32 or bfloat16 tensors of one dtype with 4 dimensions");
     check_f32(fw, "fw", 3);
     check_f32(fc, "fc", 2);
     check_f32(fc0, "fc0", 1);
@@ -611,9 +622,17 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
     }
     if (kept)
       for (int64_t j = 0; j < K; ++j) {
-        const int64_t h = kh[j], bj = b * K + j;
-        std::memcpy(kept_k.data_ptr<float>() + (bj * capk + t) * d, kp + (b * Hkv + h) * d, sizeof(float) * d);
-        std::memcpy(kept_v.data_ptr<float>() + (bj * capk + t) * dv, vp + (b * Hkv + h) * dv, sizeof(float) * dv);
+        const int64_t h = kh[j], ko = ((b * K + j) * capk + t) * d, vo = ((b * K + j) * capk + t) * dv;
+        const float *kx = kp + (b * Hkv + h) * d, *vx = vp + (b * Hkv + h) * dv;
+        if (kept_bf16) {
+          uint16_t* kk = reinterpret_cast<uint16_t*>(kept_k.data_ptr<at::BFloat16>());
+          uint16_t* kv = reinterpret_cast<uint16_t*>(kept_v.data_ptr<at::BFloat16>());
+          for (int64_t r = 0; r < d; ++r) kk[ko + r] = to_bf16(kx[r]);
+          for (int64_t c = 0; c < dv; ++c) kv[vo + c] = to_bf16(vx[c]);
+        } else {
+          std::memcpy(kept_k.data_ptr<float>() + ko, kx, sizeof(float) * d);
+          std::memcpy(kept_v.data_ptr<float>() + vo, vx, sizeof(float) * dv);
+        }
       }
   }
   const int64_t P = (t + 1 + EXACT_BLOCK - 1) / EXACT_BLOCK;  // split-K parts per exact head
@@ -648,8 +667,15 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                           sw ? win_v.data_ptr<float>() + bj * w * dv : nullptr,
                           op + (b * Hq + h * G) * dv};
   };
-  const float* kkp = kept ? kept_k.data_ptr<float>() : nullptr;
-  const float* kvp = kept ? kept_v.data_ptr<float>() : nullptr;
+  // a kept head's keys and values in their stored dtype: fn(K, V) with typed pointers to head bj's buffers
+  auto with_kept = [&](int64_t bj, const auto& fn) {
+    if (kept_bf16) {
+      fn(reinterpret_cast<const uint16_t*>(kept_k.data_ptr<at::BFloat16>()) + bj * capk * d,
+         reinterpret_cast<const uint16_t*>(kept_v.data_ptr<at::BFloat16>()) + bj * capk * dv);
+    } else {
+      fn(kept_k.data_ptr<float>() + bj * capk * d, kept_v.data_ptr<float>() + bj * capk * dv);
+    }
+  };
   const bool enter = t - w_eff >= n_sink_eff;  // a key enters the kernel set (else: a sink, or the window fills)
   // phase 1: B·K·RP parts of kernel heads, B·K·XP softmax parts of kept heads, then B·E·P parts of exact heads
   const int64_t n_kern = B * K * RP, n_kx = B * K * XP;
@@ -673,11 +699,12 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
       if (task >= n_kern) {  // a kept head's sinks and window, from its kept keys
         const int64_t bj = task - n_kern, h = kh[bj % K];
         const float* qg = qp + (bj / K * Hq + h * G) * d;
-        const float *Kb = kkp + bj * capk * d, *Vb = kvp + bj * capk * dv;
         float *sp = kept_parts.data() + bj * 2 * part_size, *wp = sp + part_size;
-        if (ns > 0) exact_part_of_head(qg, Kb, Vb, sp, sp + G, sp + 2 * G, G, d, dv, 0, ns, float(scale));
-        if (w_eff > 0 && wa <= t)
-          exact_part_of_head(qg, Kb, Vb, wp, wp + G, wp + 2 * G, G, d, dv, wa, t + 1, float(scale));
+        with_kept(bj, [&](const auto* Kb, const auto* Vb) {
+          if (ns > 0) exact_part_of_head(qg, Kb, Vb, sp, sp + G, sp + 2 * G, G, d, dv, 0, ns, float(scale));
+          if (w_eff > 0 && wa <= t)
+            exact_part_of_head(qg, Kb, Vb, wp, wp + G, wp + 2 * G, G, d, dv, wa, t + 1, float(scale));
+        });
         continue;
       }
       const int64_t bj = task / RP, c = task % RP;
@@ -685,9 +712,11 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
       if (kept) {
         const int64_t j = bj % K, j0 = ka + c * KEPT_BLOCK, j1 = std::min(kb, j0 + KEPT_BLOCK);
         if (j0 < j1)
-          kernel_part_of_head(qp + (bj / K * Hq + kh[j] * G) * d, fw.data_ptr<float>() + j * G * R * d,
-                              fc.data_ptr<float>() + j * G * R, fc0.data_ptr<float>() + j * G, G, R, d, dv,
-                              kkp + bj * capk * d, kvp + bj * capk * dv, j0, j1, float(scale), a);
+          with_kept(bj, [&](const auto* Kb, const auto* Vb) {
+            kernel_part_of_head(qp + (bj / K * Hq + kh[j] * G) * d, fw.data_ptr<float>() + j * G * R * d,
+                                fc.data_ptr<float>() + j * G * R, fc0.data_ptr<float>() + j * G, G, R, d, dv, Kb, Vb,
+                                j0, j1, float(scale), a);
+          });
         continue;
       }
       kernel_rows(args(bj / K, bj % K), enter, rows, G, d, dv, w_eff, D * c / RP, D * (c + 1) / RP, a);
