@@ -97,9 +97,7 @@ def _usable(kernel, q, k, v) -> bool:
         return False
     if q.dim() != 4 or q.shape[2] != 1 or not _on_cpu(q, k, v):
         return False
-    if torch.is_grad_enabled() and (
-        any(p.requires_grad for p in kernel.parameters()) or any(t.requires_grad for t in (q, k, v))
-    ):
+    if kept_form.needs_autograd(kernel, q, k, v):
         return False
     return cpu_kernel.load("decode") is not None
 

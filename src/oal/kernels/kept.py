@@ -32,7 +32,17 @@ from .hybrid import ExactHeadsKernel, ExactHeadsState
 from .oal import OALKernel
 from .sink_window import SinkWindowKernel
 
-__all__ = ["FOLD_SPREAD", "KEPT_GROWTH", "KeptKV", "fold", "fold_point", "grown", "keep_limit", "start"]
+__all__ = [
+    "FOLD_SPREAD",
+    "KEPT_GROWTH",
+    "KeptKV",
+    "fold",
+    "fold_point",
+    "grown",
+    "keep_limit",
+    "needs_autograd",
+    "start",
+]
 
 KEPT_GROWTH = 16  # spare slots added to kept keys/values when full (one copy per 16 tokens, ≤ 8 KB per head spare)
 # layer i of a model folds FOLD_SPREAD-cyclically i tokens after the limit, so that one decode step folds one
@@ -80,6 +90,13 @@ def fold_point(kernel, d: int, dv: int, layer: int | None = None, itemsize: int 
     return limit + (layer % FOLD_SPREAD if limit and layer is not None else 0)
 
 
+def needs_autograd(kernel, *tensors: torch.Tensor) -> bool:
+    """Whether a call of ``kernel`` on ``tensors`` must record gradients (then only the kernel's own modes apply)."""
+    return torch.is_grad_enabled() and (
+        any(p.requires_grad for p in kernel.parameters()) or any(t.requires_grad for t in tensors)
+    )
+
+
 def _kept_heads(kernel, x: torch.Tensor) -> torch.Tensor:
     """x ``(B, Hkv, n, ·)`` restricted to the heads whose state the kept form replaces."""
     if isinstance(kernel, ExactHeadsKernel):
@@ -108,7 +125,7 @@ def start(
     limit = keep_limit(kernel, d, dv, dtype.itemsize)
     if not 0 < n <= limit or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k, v)):
         return None
-    if torch.is_grad_enabled() and (any(p.requires_grad for p in kernel.parameters()) or q.requires_grad):
+    if needs_autograd(kernel, q, k, v):
         return None
     if cpu_kernel.load("decode") is None:
         return None

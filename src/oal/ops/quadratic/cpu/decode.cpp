@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -374,14 +375,24 @@ void exact_part_fast(const float* q, const T* K, const T* V, float* M, float* to
     for (int c = 0; c < NV; ++c) store16(out + g * dv + c * 16, o[g][c]);
 }
 
-template <typename T, int ND>
-bool exact_part_g(int64_t G, const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t j0,
-                  int64_t j1, float scale) {
-  switch (G) {
-    case 1: exact_part_fast<T, 1, ND, ND>(q, K, V, M, total, out, j0, j1, scale); return true;
-    case 2: exact_part_fast<T, 2, ND, ND>(q, K, V, M, total, out, j0, j1, scale); return true;
-    case 3: exact_part_fast<T, 3, ND, ND>(q, K, V, M, total, out, j0, j1, scale); return true;
-    case 4: exact_part_fast<T, 4, ND, ND>(q, K, V, M, total, out, j0, j1, scale); return true;
+// The register-blocked kernels' shapes: fn(G, ND) with both as std::integral_constant, for G ≤ 4 query heads per
+// KV head and d = dv = 16·ND ∈ {32, 64, 128}; false (fn not called) for any other shape.
+template <typename F>
+bool fast_shape(int64_t G, int64_t d, int64_t dv, const F& fn) {
+  if (d != dv || G < 1 || G > 4) return false;
+  auto by_heads = [&](auto nd) {
+    switch (G) {
+      case 1: fn(std::integral_constant<int, 1>{}, nd); break;
+      case 2: fn(std::integral_constant<int, 2>{}, nd); break;
+      case 3: fn(std::integral_constant<int, 3>{}, nd); break;
+      default: fn(std::integral_constant<int, 4>{}, nd); break;
+    }
+    return true;
+  };
+  switch (d) {
+    case 32: return by_heads(std::integral_constant<int, 2>{});
+    case 64: return by_heads(std::integral_constant<int, 4>{});
+    case 128: return by_heads(std::integral_constant<int, 8>{});
     default: return false;
   }
 }
@@ -390,10 +401,10 @@ bool exact_part_g(int64_t G, const float* q, const T* K, const T* V, float* M, f
 template <typename T>
 void exact_part_of_head(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t G,
                         int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale) {
-  bool done = false;
-  if (d == dv && d == 32) done = exact_part_g<T, 2>(G, q, K, V, M, total, out, j0, j1, scale);
-  if (d == dv && d == 64) done = exact_part_g<T, 4>(G, q, K, V, M, total, out, j0, j1, scale);
-  if (d == dv && d == 128) done = exact_part_g<T, 8>(G, q, K, V, M, total, out, j0, j1, scale);
+  const bool done = fast_shape(G, d, dv, [&](auto g, auto nd) {
+    exact_part_fast<T, decltype(g)::value, decltype(nd)::value, decltype(nd)::value>(q, K, V, M, total, out, j0, j1,
+                                                                                   scale);
+  });
   if (!done) exact_part_any(q, K, V, M, total, out, G, d, dv, j0, j1, scale);
 }
 
@@ -484,18 +495,6 @@ void kernel_part_any(const float* p, const float* c, const float* c0, int64_t G,
   }
 }
 
-template <typename T, int ND>
-bool kernel_part_g(int64_t G, const float* p, const float* c, const float* c0, int64_t R, const T* K, const T* V,
-                   int64_t j0, int64_t j1, float* acc) {
-  switch (G) {
-    case 1: kernel_part_fast<T, 1, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
-    case 2: kernel_part_fast<T, 2, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
-    case 3: kernel_part_fast<T, 3, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
-    case 4: kernel_part_fast<T, 4, ND, ND>(p, c, c0, R, K, V, j0, j1, acc); return true;
-    default: return false;
-  }
-}
-
 // one part of a kept kernel head: the G queries q (G, d) against keys [j0, j1) with the factor W (G, R, d),
 // c (G, R), c0 (G,) of the group's query heads; acc (G, dv+1) += the part's numerators and denominators
 template <typename T>
@@ -506,10 +505,10 @@ void kernel_part_of_head(const float* q, const float* W, const float* c, const f
   for (int64_t g = 0; g < G; ++g)
     for (int64_t m = 0; m < R; ++m)
       for (int64_t r = 0; r < d; ++r) p[(g * R + m) * d + r] = scale * W[(g * R + m) * d + r] * q[g * d + r];
-  bool done = false;
-  if (d == dv && d == 32) done = kernel_part_g<T, 2>(G, p.data(), c, c0, R, K, V, j0, j1, acc);
-  if (d == dv && d == 64) done = kernel_part_g<T, 4>(G, p.data(), c, c0, R, K, V, j0, j1, acc);
-  if (d == dv && d == 128) done = kernel_part_g<T, 8>(G, p.data(), c, c0, R, K, V, j0, j1, acc);
+  const bool done = fast_shape(G, d, dv, [&](auto g, auto nd) {
+    kernel_part_fast<T, decltype(g)::value, decltype(nd)::value, decltype(nd)::value>(p.data(), c, c0, R, K, V, j0,
+                                                                                    j1, acc);
+  });
   if (!done) kernel_part_any(p.data(), c, c0, G, R, d, dv, K, V, j0, j1, acc);
 }
 
