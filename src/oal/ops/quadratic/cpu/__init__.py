@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = {kind: Path(__file__).with_name(f"{kind}.cpp") for kind in ("chunk", "decode", "window")}
 # headers the sources include: helpers of decode.cpp and window.cpp, the tile product of chunk.cpp and window.cpp
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("common.h", "tiles.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("common.h", "simd.h", "tiles.h"))
 # written into a build's directory once torch's build returned: a library without it may be half-written
 BUILT_MARKER = "oal-built"
 _state: dict[str, ModuleType | None] = {}

@@ -37,11 +37,10 @@ constexpr int64_t kBlock = 256;  // features per readout block: kRows x 256 gene
 
 // Σ_t a[t] · b[t], vectorised (a plain float reduction is not, without reassociation)
 inline float dot(const float* a, const float* b, int64_t n) {
-  vec16 acc = {};
+  v16 acc = {};
   int64_t t = 0;
-  for (; t + 16 <= n; t += 16) acc += *reinterpret_cast<const vec16*>(a + t) * *reinterpret_cast<const vec16*>(b + t);
-  float total = 0.f;
-  for (int l = 0; l < 16; ++l) total += acc[l];
+  for (; t + 16 <= n; t += 16) acc += load16(a + t) * load16(b + t);
+  float total = sum16(acc);
   for (; t < n; ++t) total += a[t] * b[t];
   return total;
 }
@@ -57,11 +56,11 @@ inline void pair_features(const T* y, const T* w, int64_t P, int64_t fa, int64_t
     T* dst = out + (f - fa);
     int64_t t = 0;
     if constexpr (std::is_same_v<T, float>) {  // 16 lanes at a time: the runs are ≤ P = e/2 + 1 long
-      const vec16 yv = vec16{} + yr;
+      const v16 yv = splat16(yr);
       for (; t + 16 <= len; t += 16) {
-        vec16 x = yv * *reinterpret_cast<const vec16*>(ys + t);
-        if (w) x *= *reinterpret_cast<const vec16*>(w + f + t);
-        *reinterpret_cast<vec16*>(dst + t) = x;
+        v16 x = yv * load16(ys + t);
+        if (w) x *= load16(w + f + t);
+        store16(dst + t, x);
       }
     }
     if (w) {
@@ -577,27 +576,28 @@ template <int PP>
 inline void kappa_row(const float* sc, int64_t pstride, const float* A, int64_t lda, const float* c, int64_t R,
                       float c0, int64_t i, int64_t npad, float* kr, int64_t P = PP) {
   for (int64_t j = 0; j < npad; j += 16) {
-    vec16 kv = {};
+    v16 kv = {};
     if (j <= i) {
       kv += c0;
       if constexpr (PP > 0) {
-        vec16 s[PP];
-        for (int p = 0; p < PP; ++p) s[p] = *reinterpret_cast<const vec16*>(sc + p * pstride + j);
+        v16 s[PP];
+        for (int p = 0; p < PP; ++p) s[p] = load16(sc + p * pstride + j);
         for (int64_t m = 0; m < R; ++m) {
-          vec16 z = vec16{} + c[m];
+          v16 z = splat16(c[m]);
           for (int p = 0; p < PP; ++p) z += A[m * lda + p] * s[p];
           kv += z * z;
         }
       } else {
         for (int64_t m = 0; m < R; ++m) {
-          vec16 z = vec16{} + c[m];
-          for (int64_t p = 0; p < P; ++p) z += A[m * lda + p] * *reinterpret_cast<const vec16*>(sc + p * pstride + j);
+          v16 z = splat16(c[m]);
+          for (int64_t p = 0; p < P; ++p) z += A[m * lda + p] * load16(sc + p * pstride + j);
           kv += z * z;
         }
       }
-      for (int64_t l = i + 1 - j; l < 16; ++l) kv[l] = 0.f;  // causal: keys after i weigh nothing
     }
-    *reinterpret_cast<vec16*>(kr + j) = kv;
+    store16(kr + j, kv);
+    if (j <= i)
+      for (int64_t l = i + 1 - j; l < 16; ++l) kr[j + l] = 0.f;  // causal: keys after i weigh nothing
   }
 }
 

@@ -2,22 +2,14 @@
 // the loader hashes this file into the build flags, so a change to it rebuilds both).
 #pragma once
 
+#include "simd.h"
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)  // without it the float reduction stays scalar (strict FP ordering)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
-
-typedef float v16 __attribute__((vector_size(64)));  // GCC vectors: AVX-512 where the CPU has it
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-inline v16 load16(const float* p) {
-  v16 x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
-inline v16 splat16(float x) { return v16{} + x; }
 
 // e^x for x ≤ 0 (softmax weights after the max is subtracted), branch-free; glibc's vector expf needs -ffast-math,
 // which would also assume away the infinities these files rely on. Range reduction x = n ln2 + r, |r| ≤ ln2/2
@@ -27,7 +19,7 @@ inline v16 splat16(float x) { return v16{} + x; }
 // form to ~0.3 ns. The scalar exp_nonpos is lane 0 of it, so a row's tail gets bit-identical weights.
 inline v16 exp_nonpos16(v16 x) {
   const v16 lo = splat16(-87.f), shift = splat16(12582912.f);
-  const v16 xc = x < lo ? lo : x;
+  const v16 xc = max_with(x, lo);
   const v16 n = (xc * 1.44269504088896341f + shift) - shift;
   const v16 r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
   v16 p = splat16(1.9875691500e-4f);
@@ -37,15 +29,10 @@ inline v16 exp_nonpos16(v16 x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  i32x16 bits;  // n ≥ -126 here, so the scaled exponent stays normal
-  std::memcpy(&bits, &p, sizeof(bits));
-  bits += __builtin_convertvector(n, i32x16) << 23;
-  v16 out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return x < lo ? v16{} : out;
+  return zero_where_below(x, lo, scale_by_pow2(p, n));  // n ≥ -126 here, so the scaled exponent stays normal
 }
 
-inline float exp_nonpos(float x) { return exp_nonpos16(splat16(x))[0]; }
+inline float exp_nonpos(float x) { return lane(exp_nonpos16(splat16(x)), 0); }
 
 // x[j] = e^{x[j] - m} for j < n (every x[j] ≤ m, or -inf), returning Σ_j x[j]
 inline float exp_shifted(float* x, int64_t n, float m) {
@@ -56,8 +43,7 @@ inline float exp_shifted(float* x, int64_t n, float m) {
     store16(x + j, e);
     acc += e;
   }
-  float sum = 0.f;
-  for (int l = 0; l < 16; ++l) sum += acc[l];
+  float sum = sum16(acc);
   for (; j < n; ++j) sum += (x[j] = exp_nonpos(x[j] - m));
   return sum;
 }
@@ -68,10 +54,10 @@ inline float max_of(const float* x, int64_t n) {
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const v16 a = load16(x + j);
-    acc = a > acc ? a : acc;
+    acc = max_with(acc, a);
   }
-  float m = acc[0];
-  for (int l = 1; l < 16; ++l) m = std::max(m, acc[l]);
+  float m = lane(acc, 0);
+  for (int l = 1; l < 16; ++l) m = std::max(m, lane(acc, l));
   for (; j < n; ++j) m = std::max(m, x[j]);
   return m;
 }

@@ -283,21 +283,9 @@ void exact_part_any(const float* q, const T* K, const T* V, float* M, float* tot
   }
 }
 
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-// 16 stored numbers as fp32 lanes
-inline v16 load16(const uint16_t* p) {  // bf16: widen (the top half of an fp32)
-  u16x16 x;
-  std::memcpy(&x, p, sizeof(x));
-  const u32x16 w = __builtin_convertvector(x, u32x16) << 16;
-  v16 f;
-  std::memcpy(&f, &w, sizeof(f));
-  return f;
-}
-
 // r[j] = Σ_l a[j][l] for 16 vectors: a transposing reduction tree (45 shuffles and adds for 16 sums, where one
 // horizontal sum per vector costs about as many for one)
+#if defined(__AVX512F__)
 inline v16 sum_lanes16(const v16* a) {
   v16 b[8], c[4], e[2];
   for (int k = 0; k < 8; ++k)  // keys 2k, 2k+1: 8 partial sums each
@@ -312,6 +300,22 @@ inline v16 sum_lanes16(const v16* a) {
   return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+inline v16 sum_lanes16(const v16* a) {  // the same tree on 8-lane halves, after adding each vector's two halves
+  v8f s[16], b[8], c[4], e[2];
+  for (int k = 0; k < 16; ++k) s[k] = a[k].lo + a[k].hi;
+  for (int k = 0; k < 8; ++k)  // keys 2k, 2k+1: 4 partial sums each
+    b[k] = __builtin_shufflevector(s[2 * k], s[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(s[2 * k], s[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int k = 0; k < 4; ++k)  // keys 4k … 4k+3: 2 each
+    c[k] = __builtin_shufflevector(b[2 * k], b[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(b[2 * k], b[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  for (int k = 0; k < 2; ++k)  // keys 8k … 8k+7: 1 each
+    e[k] = __builtin_shufflevector(c[2 * k], c[2 * k + 1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(c[2 * k], c[2 * k + 1], 1, 3, 5, 7, 9, 11, 13, 15);
+  return {e[0], e[1]};
+}
+#endif
 
 // exact_part_any for G query heads and d = 16·ND, dv = 16·NV: the scores of 16 keys at a time in 16 vector
 // accumulators summed by one reduction tree, the weighted values accumulated in G·NV vector registers. The
@@ -354,10 +358,7 @@ void exact_part_fast(const float* q, const T* K, const T* V, float* M, float* to
   }
   for (; j < n; ++j)
     for (int g = 0; g < G; ++g) {
-      const v16 a = products(g, K + (j0 + j) * d);
-      float sum = 0.f;
-      for (int l = 0; l < 16; ++l) sum += a[l];
-      logit[g * n + j] = sum * scale;
+      logit[g * n + j] = sum16(products(g, K + (j0 + j) * d)) * scale;
     }
   exp_rows(logit.data(), G, n, M, total);
   v16 o[G][NV];
@@ -470,7 +471,7 @@ void kernel_part_fast(const float* p, const float* c, const float* c0, int64_t R
     float* ag = acc + g * dv1;
     for (int ch = 0; ch < NV; ++ch) store16(ag + ch * 16, load16(ag + ch * 16) + o[g][ch]);
     float sum = tail[g];
-    for (int l = 0; l < 16; ++l) sum += den[g][l];
+    for (int l = 0; l < 16; ++l) sum += lane(den[g], l);
     ag[dv] += sum;
   }
 }

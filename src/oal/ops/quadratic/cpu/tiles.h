@@ -3,11 +3,9 @@
 // a (rows, kdim) · b (kdim, panels), with b's panels contiguous (kdim, 16) blocks.
 #pragma once
 
-// sixteen floats (one AVX-512 register); aligned(4) makes loads and stores through it unaligned ones, may_alias lets
-// it read float arrays
-typedef float vec16 __attribute__((vector_size(64), aligned(4), __may_alias__));
+#include "simd.h"
 
-constexpr int64_t kTile = 16;  // columns of one panel: one vec16
+constexpr int64_t kTile = 16;  // columns of one panel: one v16
 #if defined(__AVX512F__)
 constexpr int64_t kRows = 12;  // output rows of one pass: 12 x 2 panels = 24 accumulators + 2 panel vectors of 32
 #else
@@ -21,16 +19,16 @@ constexpr int64_t kRows = 6;  // AVX2: 6 rows x 1 panel = 12 accumulators (two 8
 template <int MR, bool TWO, bool ADD>
 inline void tile_kernel(const float* a, int64_t lda, const float* b0, const float* b1, int64_t kdim, float* c0,
                         float* c1, int64_t ldc) {
-  vec16 acc0[MR], acc1[TWO ? MR : 1];
+  v16 acc0[MR], acc1[TWO ? MR : 1];
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i) {
-    acc0[i] = ADD ? *reinterpret_cast<const vec16*>(c0 + i * ldc) : vec16{};
-    if constexpr (TWO) acc1[i] = ADD ? *reinterpret_cast<const vec16*>(c1 + i * ldc) : vec16{};
+    acc0[i] = ADD ? load16(c0 + i * ldc) : v16{};
+    if constexpr (TWO) acc1[i] = ADD ? load16(c1 + i * ldc) : v16{};
   }
   for (int64_t k = 0; k < kdim; ++k) {
-    const vec16 p0 = *reinterpret_cast<const vec16*>(b0 + k * kTile);
-    vec16 p1{};
-    if constexpr (TWO) p1 = *reinterpret_cast<const vec16*>(b1 + k * kTile);
+    const v16 p0 = load16(b0 + k * kTile);
+    v16 p1{};
+    if constexpr (TWO) p1 = load16(b1 + k * kTile);
 #pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
       const float s = a[i * lda + k];
@@ -40,8 +38,8 @@ inline void tile_kernel(const float* a, int64_t lda, const float* b0, const floa
   }
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i) {
-    *reinterpret_cast<vec16*>(c0 + i * ldc) = acc0[i];
-    if constexpr (TWO) *reinterpret_cast<vec16*>(c1 + i * ldc) = acc1[i];
+    store16(c0 + i * ldc, acc0[i]);
+    if constexpr (TWO) store16(c1 + i * ldc, acc1[i]);
   }
 }
 
