@@ -36,6 +36,7 @@ __all__ = [
     "FOLD_SPREAD",
     "KEPT_GROWTH",
     "KeptKV",
+    "extend",
     "fold",
     "fold_point",
     "grown",
@@ -188,6 +189,45 @@ def fold(kernel, state: object) -> object:
     if isinstance(state, ExactHeadsState) and isinstance(state.inner, KeptKV):
         return state._replace(inner=_fold_inner(_inner(kernel), state.inner))
     return state
+
+
+def _kept_of(state: object) -> KeptKV | None:
+    if isinstance(state, ExactHeadsState):
+        state = state.inner
+    return state if isinstance(state, KeptKV) else None
+
+
+def extend(
+    kernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: object,
+    model_dtype: torch.dtype = torch.float32,
+    layer: int | None = None,
+) -> tuple[torch.Tensor, object] | None:
+    """Several new tokens after a kept form (a prompt in chunks, a multi-token continuation) that keep it below
+    layer ``layer``'s :func:`fold_point`: ``(o, state)`` with the new keys and values appended to the kept ones.
+    The outputs come from the kernel's chunked mode on the kept form folded into a transient state (the same
+    arithmetic as a cache that had kept the state); None where it does not apply (as :func:`start`, or a state
+    that is not a kept form, or a context past the fold point: then the caller folds for good)."""
+    kept = _kept_of(state)
+    if kept is None:
+        return None
+    n, d, dv = k.shape[2], k.shape[3], v.shape[3]
+    total = kept.length + n
+    if total > fold_point(kernel, d, dv, layer, kept.k.element_size()):
+        return None
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k, v)) or needs_autograd(kernel, q, k, v):
+        return None
+    o, after = kernel(q, k, v, mode="chunk", initial_state=fold(kernel, state), output_final_state=True)
+    dtype = kept.k.dtype
+    new = KeptKV(
+        torch.cat([kept.k[:, :, : kept.length], _kept_heads(kernel, k).to(dtype)], dim=2),
+        torch.cat([kept.v[:, :, : kept.length], _kept_heads(kernel, v).to(dtype)], dim=2),
+        total,
+    )
+    return o, after._replace(inner=new) if isinstance(after, ExactHeadsState) else new
 
 
 def grown(kept: KeptKV, limit: int) -> KeptKV:

@@ -17,6 +17,7 @@ install it. Without ``trust_remote_code`` transformers refuses the unknown model
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from ..io import read_json
 from ..kernels import kernel_from_config
 from .converted import CONFIG_KEY, KERNELS_FILE, MODEL_TYPE_PREFIX, conversion_info
 from .hooks import attach_kernel
+from .prefill import chunked_forward
 
 __all__ = [
     "BASE_MODEL_TYPES",
@@ -119,6 +121,10 @@ def _make(base: str) -> tuple[type[PretrainedConfig], type[PreTrainedModel]]:
             return as_oal_model(model)
         return super(model_cls, cls).from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
+    @functools.wraps(base_model.forward)  # the signature generate inspects (logits_to_keep) stays the base's
+    def forward(self, *args, **kwargs):
+        return chunked_forward(base_model.forward, self, *args, **kwargs)
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         set_auto_map(self.config)
         base_model.save_pretrained(self, save_directory, *args, **kwargs)
@@ -132,6 +138,7 @@ def _make(base: str) -> tuple[type[PretrainedConfig], type[PreTrainedModel]]:
             "config_class": config_cls,
             "__init__": __init__,
             "from_pretrained": from_pretrained,
+            "forward": forward,
             "save_pretrained": save_pretrained,
             "__module__": __name__,
             "__doc__": f"A converted {base_model.__name__}: the kernels recorded in ``config.{CONFIG_KEY}`` attached.",

@@ -233,12 +233,16 @@ def _step(kernel: AttentionKernel, q, k, v, state, past: int, keep: bool, layer_
     of :mod:`oal.kernels.kept`, in bf16 for a bf16 ``model_dtype``, folded at model layer ``layer_idx``'s fold
     point). One-token steps take the fused in-place step (the cache owns the state), else the kernel's own recurrent
     mode (autograd, non-fp32, other kernels, no compiler); several tokens the chunked mode; both from the kernel's
-    own state (a kept form folded into it first)."""
+    own state (a kept form folded into it first), unless they keep a kept form below its fold point."""
     n = q.shape[2]
     if keep and state is None:
         started = kept_form.start(kernel, q, k, v, model_dtype)
         if started is not None:
             return started
+    if n > 1:  # a prompt in chunks (oal.models.prefill) stays in the kept form up to the fold point
+        extended = kept_form.extend(kernel, q, k, v, state, model_dtype, layer_idx)
+        if extended is not None:
+            return extended
     fused = decode_step(kernel, q, k, v, state, past, layer_idx) if n == 1 else None
     if fused is None:
         mode = "recurrent" if n == 1 else "chunk"

@@ -1,0 +1,126 @@
+"""Chunked prefill of a converted model: a long prompt runs through the model in chunks of ``prefill_chunk``
+tokens, each chunk through all layers, the cache carrying what the chunks before it left.
+
+A converted layer's cache is a fixed-size state (or the kept keys below the crossover) and its softmax parts read
+the cache's keys, so prompt tokens ``[s, e)`` after the cache holds ``[0, s)`` give the same outputs as one call
+over the whole prompt (the same sums in another order: fp32 rounding). What changes is the memory: the
+activations of one call are proportional to its length (the MLP's three ``N × intermediate`` products, the
+projections, the attention's temporaries: ~50 MB per 2k tokens for SmolLM2 in fp32), and so are the freed
+blocks the allocator keeps between layers; a chunk bounds both. transformers runs the original model's prompt in
+one call (``generate`` included), so its prefill peak grows with the prompt beyond its KV cache.
+
+It applies where nothing else can tell the difference: inference (no autograd), no labels, no attention or
+hidden-state outputs, a 2-D (or no) attention mask, and a cache to carry the chunks (a :class:`DynamicCache` is
+created as the model itself would create one when ``use_cache`` allows it). ``config.oal_prefill_chunk`` sets the
+chunk length (0 or None: one call, as the base model).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache
+
+__all__ = ["CONFIG_CHUNK_KEY", "DEFAULT_PREFILL_CHUNK", "chunked_forward", "prefill_chunk"]
+
+#: the config attribute that sets the chunk length
+CONFIG_CHUNK_KEY = "oal_prefill_chunk"
+#: the default chunk length: GEMMs of 512 rows run at the full speed of larger ones on CPU, and SmolLM2's
+#: activations for 512 tokens are ~12 MB in fp32
+DEFAULT_PREFILL_CHUNK = 512
+
+
+def prefill_chunk(config: object) -> int:
+    """The chunk length ``config.oal_prefill_chunk`` asks for (default :data:`DEFAULT_PREFILL_CHUNK`; 0: none)."""
+    value = getattr(config, CONFIG_CHUNK_KEY, DEFAULT_PREFILL_CHUNK)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"config.{CONFIG_CHUNK_KEY}: expected an int ≥ 0 (0: no chunking), got {value!r}")
+    return value
+
+
+def _chunkable(
+    n: int,
+    chunk: int,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cache: Cache | None,
+    labels: torch.Tensor | None,
+    use_cache: bool | None,
+    logits_to_keep: object,
+    kwargs: dict,
+) -> bool:
+    if chunk <= 0 or n <= chunk or torch.is_grad_enabled() or labels is not None or not use_cache:
+        return False
+    if cache is not None and not isinstance(cache, Cache):
+        return False
+    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False:
+        return False
+    if any(isinstance(v, torch.Tensor) for v in kwargs.values()):  # per-token inputs this wrapper does not know
+        return False
+    past = cache.get_seq_length() if cache is not None else 0
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[-1] != past + n):
+        return False
+    if position_ids is not None and position_ids.shape[-1] != n:
+        return False
+    last = n - (n - 1) // chunk * chunk
+    return isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) and logits_to_keep <= last
+
+
+@functools.cache
+def _parameter_names(fn) -> tuple[str, ...]:
+    """The names ``fn`` binds positional arguments to after ``self``."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds)[1:]
+
+
+def chunked_forward(base_forward, model: PreTrainedModel, *args, **kwargs):
+    """``base_forward(model, ...)`` over the prompt in chunks where that is equivalent (module docstring),
+    otherwise one call. The output is the last chunk's, with the logits of all chunks when ``logits_to_keep`` is 0.
+    """
+    if args:  # positional arguments by the base forward's parameter names (model(ids) is the common call)
+        names = _parameter_names(base_forward)
+        if len(args) > len(names) or any(name in kwargs for name in names[: len(args)]):
+            return base_forward(model, *args, **kwargs)  # let it raise as it would
+        kwargs = {**dict(zip(names, args, strict=False)), **kwargs}
+    input_ids, inputs_embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    source = input_ids if input_ids is not None else inputs_embeds
+    if source is None or source.dim() < 2:
+        return base_forward(model, **kwargs)
+    n, chunk = source.shape[1], prefill_chunk(model.config)
+    named = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache", "past_key_values", "labels")
+    rest = {k: v for k, v in kwargs.items() if k not in (*named, "use_cache", "logits_to_keep")}
+    attention_mask, position_ids = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    cache = kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")
+    use_cache, logits_to_keep = kwargs.get("use_cache"), kwargs.get("logits_to_keep", 0)
+    if use_cache is None:
+        use_cache = getattr(model.config, "use_cache", True)
+    if not _chunkable(
+        n, chunk, attention_mask, position_ids, cache, kwargs.get("labels"), use_cache, logits_to_keep, rest
+    ):
+        return base_forward(model, **kwargs)
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+    past = cache.get_seq_length()
+    logits, out = [], None
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        piece = {
+            "input_ids": None if input_ids is None else input_ids[:, start:end],
+            "inputs_embeds": None if inputs_embeds is None else inputs_embeds[:, start:end],
+            "attention_mask": None if attention_mask is None else attention_mask[:, : past + end],
+            "position_ids": None if position_ids is None else position_ids[..., start:end],
+            "cache": cache,
+            "use_cache": True,
+            "logits_to_keep": logits_to_keep if end == n or logits_to_keep == 0 else 1,
+        }
+        out = base_forward(model, **piece, **rest)
+        if logits_to_keep == 0:
+            logits.append(out.logits)
+    if logits_to_keep == 0 and len(logits) > 1:
+        out.logits = torch.cat(logits, dim=1)
+    return out

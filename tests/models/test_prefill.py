@@ -1,0 +1,189 @@
+"""Chunked prefill of converted models: the same logits and cache as one call, reached by ``model(...)`` and
+``generate``, and one call wherever chunks could be told apart."""
+
+import functools
+import inspect
+
+import pytest
+import torch
+from tiny import convert_tiny
+from transformers import DynamicCache
+
+from oal.conversion import convert_model
+from oal.conversion.heads import add_exact_heads
+from oal.kernels.kept import KeptKV
+from oal.models import KernelCache
+from oal.models.prefill import CONFIG_CHUNK_KEY, DEFAULT_PREFILL_CHUNK, prefill_chunk
+
+
+def prompt(batch: int, n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, 101, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def model_of(make_model, kind: str):
+    model = make_model("llama", num_heads=6, num_kv_heads=2)
+    if kind == "oal":
+        g = torch.Generator().manual_seed(0)
+        groups = {i: torch.randint(0, 3, (6, 8), generator=g) for i in range(3)}
+        return convert_model(model, "oal", layers="1-2", groups=groups)
+    if kind == "performer":
+        return convert_model(model, "performer", layers="0-1", seed=1)
+    model = convert_tiny(model, window=5 if kind.startswith("sink_window") else None)
+    if kind.endswith("exact_heads"):
+        add_exact_heads(model, {1: [1], 2: [0]})
+    return model
+
+
+def base_calls(model, monkeypatch) -> list[int]:
+    """Lengths of the base forward's calls."""
+    calls = []
+    base = type(model).__mro__[1].forward
+
+    @functools.wraps(base)
+    def spy(self, *args, **kwargs):
+        source = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        calls.append(source.shape[1])
+        return base(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model).__mro__[1], "forward", spy)
+    return calls
+
+
+def run(model, ids, chunk, steps=4, **kw):
+    """Prefill logits (all positions), then ``steps`` greedy one-token steps' logits."""
+    model.config.oal_prefill_chunk = chunk
+    cache = KernelCache(model)
+    with torch.no_grad():
+        out = model(input_ids=ids, cache=cache, **kw)
+        logits, nxt = [out.logits], out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            out = model(input_ids=nxt, cache=cache)
+            logits.append(out.logits)
+            nxt = out.logits[:, -1:].argmax(-1)
+    return logits, cache
+
+
+@pytest.mark.parametrize("kind", ["oal", "performer", "sink_window", "oal_exact_heads", "sink_window_exact_heads"])
+def test_chunked_prefill_equals_one_call(make_model, monkeypatch, kind):
+    model = model_of(make_model, kind)
+    ids = prompt(2, 70)
+    want, want_cache = run(model, ids, 0)
+    calls = base_calls(model, monkeypatch)
+    got, cache = run(model, ids, 16)
+    assert calls[:5] == [16, 16, 16, 16, 6]  # the prompt in chunks through the base forward, then one per step
+    assert cache.get_seq_length() == want_cache.get_seq_length() == 74
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=5e-5)
+
+
+def test_chunked_prefill_keeps_the_last_logits_only_when_asked(make_model):
+    model = model_of(make_model, "oal")
+    ids = prompt(1, 40)
+    (want, *_), _ = run(model, ids, 0, steps=0, logits_to_keep=3)
+    (got, *_), _ = run(model, ids, 16, steps=0, logits_to_keep=3)
+    assert got.shape == (1, 3, 101)
+    torch.testing.assert_close(got, want, rtol=0, atol=5e-5)
+
+
+def test_generate_with_left_padding_reaches_the_chunks(make_model, monkeypatch):
+    model = model_of(make_model, "sink_window_exact_heads")
+    ids = prompt(2, 50)
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    kw = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        model.config.oal_prefill_chunk = 0
+        want = model.generate(ids, output_logits=True, return_dict_in_generate=True, **kw)
+        calls = base_calls(model, monkeypatch)
+        model.config.oal_prefill_chunk = 16
+        got = model.generate(ids, output_logits=True, return_dict_in_generate=True, **kw)
+    assert calls[:4] == [16, 16, 16, 2]
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=0, atol=5e-5)
+
+
+def test_a_fresh_cache_is_created_as_the_model_would(make_model, monkeypatch):
+    model = model_of(make_model, "oal")
+    model.config.oal_prefill_chunk = 16
+    ids = prompt(1, 40)
+    with torch.no_grad():
+        model.config.oal_prefill_chunk = 0
+        want = model(ids).logits
+        calls = base_calls(model, monkeypatch)
+        model.config.oal_prefill_chunk = 16
+        out = model(ids)
+    assert calls == [16, 16, 8]
+    assert isinstance(out.cache, DynamicCache) and out.cache.get_seq_length() == 40
+    torch.testing.assert_close(out.logits, want, rtol=0, atol=5e-5)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["grad", "labels", "no_cache", "hidden_states", "tuple", "mask_4d", "keep_more_than_last", "short"],
+)
+def test_one_call_where_chunks_could_be_told_apart(make_model, monkeypatch, case):
+    model = model_of(make_model, "oal")
+    model.config.oal_prefill_chunk = 16
+    ids = prompt(1, 40)
+    kw = {"input_ids": ids, "cache": KernelCache(model)}
+    if case == "labels":
+        kw["labels"] = ids
+    elif case == "no_cache":
+        kw = {"input_ids": ids, "use_cache": False}
+    elif case == "hidden_states":
+        kw["output_hidden_states"] = True
+    elif case == "tuple":
+        kw["return_dict"] = False
+    elif case == "mask_4d":
+        kw["attention_mask"] = torch.ones(1, 1, 40, 40, dtype=torch.bool).tril()
+    elif case == "keep_more_than_last":
+        kw["logits_to_keep"] = 9  # the last chunk has 8 tokens
+    elif case == "short":
+        kw["input_ids"] = ids[:, :16]
+    calls = base_calls(model, monkeypatch)
+    with torch.set_grad_enabled(case == "grad"):
+        model(**kw)
+    assert calls == [kw["input_ids"].shape[1]]
+
+
+def test_chunk_setting(make_model):
+    model = model_of(make_model, "oal")
+    assert prefill_chunk(model.config) == DEFAULT_PREFILL_CHUNK
+    for off in (0, None):
+        setattr(model.config, CONFIG_CHUNK_KEY, off)
+        assert prefill_chunk(model.config) == 0
+    for bad in (-1, 2.5, True, "512"):
+        setattr(model.config, CONFIG_CHUNK_KEY, bad)
+        with pytest.raises(ValueError, match=CONFIG_CHUNK_KEY):
+            prefill_chunk(model.config)
+
+
+def test_signature_is_the_base_forwards(make_model):
+    """generate decides from the signature whether to ask for the last logits only."""
+    model = model_of(make_model, "oal")
+    params = inspect.signature(model.forward).parameters
+    assert "logits_to_keep" in params and "cache" in params
+
+
+@pytest.mark.parametrize("kind", ["oal", "sink_window", "oal_exact_heads"])
+def test_chunks_below_the_crossover_keep_keys_and_values(make_model, kind):
+    """d = 8: a kernel head's state is as large as 25 tokens' keys and values (more with sinks and a window), so a
+    24-token prompt in chunks of 8 stays in the kept form (each chunk appended, oal.kernels.kept.extend), as one
+    call would; the decode steps after it cross the fold point."""
+    model = model_of(make_model, kind)
+    ids = prompt(2, 24)
+    (_, want_cache), (_, cache) = run(model, ids, 0, steps=0), run(model, ids, 8, steps=0)
+    for entry, want in zip(cache.layers, want_cache.layers, strict=True):
+        kept = getattr(entry, "state", None)
+        kept = getattr(kept, "inner", kept)
+        if isinstance(kept, KeptKV):
+            ref = getattr(want.state, "inner", want.state)
+            assert kept.length == ref.length == 24
+            torch.testing.assert_close(kept.k[:, :, :24], ref.k[:, :, :24], rtol=0, atol=1e-6)
+    assert any(
+        isinstance(getattr(getattr(e, "state", None), "inner", getattr(e, "state", None)), KeptKV) for e in cache.layers
+    )
+    want, _ = run(model, ids, 0, steps=6)
+    got, _ = run(model, ids, 8, steps=6)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=5e-5)
