@@ -35,17 +35,19 @@ def model_of(make_model, kind: str):
 
 
 def base_calls(model, monkeypatch) -> list[int]:
-    """Lengths of the base forward's calls."""
+    """Lengths of the decoder's calls (every chunk runs the decoder; the last also the output layer)."""
     calls = []
-    base = type(model).__mro__[1].forward
+    decoder = type(model.base_model)
+    base = decoder.forward
 
     @functools.wraps(base)
     def spy(self, *args, **kwargs):
         source = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        source = args[0] if source is None and args else source
         calls.append(source.shape[1])
         return base(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(model).__mro__[1], "forward", spy)
+    monkeypatch.setattr(decoder, "forward", spy)
     return calls
 
 

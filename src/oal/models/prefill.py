@@ -116,9 +116,13 @@ def chunked_forward(base_forward, model: PreTrainedModel, *args, **kwargs):
             "position_ids": None if position_ids is None else position_ids[..., start:end],
             "cache": cache,
             "use_cache": True,
-            "logits_to_keep": logits_to_keep if end == n or logits_to_keep == 0 else 1,
         }
-        out = base_forward(model, **piece, **rest)
+        if end < n and logits_to_keep != 0:
+            # only the decoder: no logits to keep here, and the output layer (for a tied embedding, a matrix
+            # whose rows the prompt's lookup barely touched) is read once, after the last chunk's activations
+            model.base_model(**piece, **rest)
+            continue
+        out = base_forward(model, **piece, logits_to_keep=logits_to_keep, **rest)
         if logits_to_keep == 0:
             logits.append(out.logits)
     if logits_to_keep == 0 and len(logits) > 1:
