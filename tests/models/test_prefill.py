@@ -121,7 +121,7 @@ def test_a_fresh_cache_is_created_as_the_model_would(make_model, monkeypatch):
 
 @pytest.mark.parametrize(
     "case",
-    ["grad", "labels", "no_cache", "hidden_states", "tuple", "mask_4d", "keep_more_than_last", "short"],
+    ["grad", "labels", "no_cache", "hidden_states", "tuple", "mask_4d", "keep_more_than_last", "two_chunks"],
 )
 def test_one_call_where_chunks_could_be_told_apart(make_model, monkeypatch, case):
     model = model_of(make_model, "oal")
@@ -140,8 +140,8 @@ def test_one_call_where_chunks_could_be_told_apart(make_model, monkeypatch, case
         kw["attention_mask"] = torch.ones(1, 1, 40, 40, dtype=torch.bool).tril()
     elif case == "keep_more_than_last":
         kw["logits_to_keep"] = 9  # the last chunk has 8 tokens
-    elif case == "short":
-        kw["input_ids"] = ids[:, :16]
+    elif case == "two_chunks":
+        kw["input_ids"] = ids[:, :32]
     calls = base_calls(model, monkeypatch)
     with torch.set_grad_enabled(case == "grad"):
         model(**kw)
@@ -189,3 +189,17 @@ def test_chunks_below_the_crossover_keep_keys_and_values(make_model, kind):
     got, _ = run(model, ids, 8, steps=6)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=5e-5)
+
+
+def test_a_prompt_that_outgrows_the_kept_form_builds_the_state_from_the_first_chunk(make_model, monkeypatch):
+    import oal.kernels.kept as kept
+
+    folded = []
+    fold_inner = kept._fold_inner
+    monkeypatch.setattr(kept, "_fold_inner", lambda *a: folded.append(1) or fold_inner(*a))
+    model = model_of(make_model, "oal")
+    ids = prompt(2, 70)  # the limit is 25 tokens (d = 8)
+    want, _ = run(model, ids, 0)
+    got, cache = run(model, ids, 16, steps=0)
+    assert not folded and isinstance(cache.layers[1].state, torch.Tensor)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=5e-5)

@@ -21,6 +21,9 @@ heads keep their keys and values anyway).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
@@ -42,6 +45,7 @@ __all__ = [
     "grown",
     "keep_limit",
     "needs_autograd",
+    "prompt_end",
     "start",
 ]
 
@@ -50,6 +54,25 @@ KEPT_GROWTH = 16  # spare slots added to kept keys/values when full (one copy pe
 # or two layers instead of all (a whole SmolLM2 at once: ~235 ms extra in one step at batch 1)
 FOLD_SPREAD = 32
 _FOLD_BLOCK = 512  # keys per feature block while folding: a (512, D) block, 4.4 MB for d = 64
+# where the prompt being prefilled in chunks ends (oal.models.prefill): a chunk of a prompt that will outgrow the
+# kept form builds the state at once instead of keeping keys only to fold them a chunk later
+_PROMPT_END: ContextVar[int | None] = ContextVar("oal_prompt_end", default=None)
+
+
+@contextlib.contextmanager
+def prompt_end(position: int) -> Iterator[None]:
+    """Within it, kernel calls belong to a prompt that runs to context length ``position`` (a prompt in chunks):
+    :func:`start` and :func:`extend` keep keys and values only if the whole prompt stays below the limit."""
+    token = _PROMPT_END.set(position)
+    try:
+        yield
+    finally:
+        _PROMPT_END.reset(token)
+
+
+def _context_end(end: int) -> int:
+    hint = _PROMPT_END.get()
+    return end if hint is None else max(end, hint)
 
 
 class KeptKV(NamedTuple):
@@ -120,11 +143,15 @@ def start(
     without building its final state. q, k, v are fp32; ``model_dtype`` is the dtype they came in: for a bf16 model
     the keys and values are kept in bf16, exactly (they are bf16 numbers), else in fp32. None where the kept form
     does not apply: a kernel without it, a prompt longer than :func:`keep_limit`, not CPU fp32, autograd on, or no
-    fused decode kernel to continue with."""
+    fused decode kernel to continue with, or a prompt in chunks that will outgrow the limit (:func:`prompt_end`)."""
     dtype = torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
     n, d, dv = k.shape[2], k.shape[3], v.shape[3]
     limit = keep_limit(kernel, d, dv, dtype.itemsize)
-    if not 0 < n <= limit or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k, v)):
+    if (
+        not 0 < n
+        or _context_end(n) > limit
+        or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k, v))
+    ):
         return None
     if needs_autograd(kernel, q, k, v):
         return None
@@ -216,7 +243,7 @@ def extend(
         return None
     n, d, dv = k.shape[2], k.shape[3], v.shape[3]
     total = kept.length + n
-    if total > fold_point(kernel, d, dv, layer, kept.k.element_size()):
+    if _context_end(total) > fold_point(kernel, d, dv, layer, kept.k.element_size()):
         return None
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k, v)) or needs_autograd(kernel, q, k, v):
         return None

@@ -9,6 +9,10 @@ projections, the attention's temporaries: ~50 MB per 2k tokens for SmolLM2 in fp
 blocks the allocator keeps between layers; a chunk bounds both. transformers runs the original model's prompt in
 one call (``generate`` included), so its prefill peak grows with the prompt beyond its KV cache.
 
+A prompt of at most two chunks runs in one call (its activations are small, and below the kept form's limit the
+second chunk would cost a fold). A converted layer told that the prompt will outgrow its kept form
+(:func:`oal.kernels.kept.prompt_end`) builds its state from the first chunk, so chunks add no folds.
+
 It applies where nothing else can tell the difference: inference (no autograd), no labels, no attention or
 hidden-state outputs, a 2-D (or no) attention mask, and a cache to carry the chunks (a :class:`DynamicCache` is
 created as the model itself would create one when ``use_cache`` allows it). ``config.oal_prefill_chunk`` sets the
@@ -23,6 +27,8 @@ import inspect
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
+
+from ..kernels import kept as kept_form
 
 __all__ = ["CONFIG_CHUNK_KEY", "DEFAULT_PREFILL_CHUNK", "chunked_forward", "prefill_chunk"]
 
@@ -54,7 +60,7 @@ def _chunkable(
     logits_to_keep: object,
     kwargs: dict,
 ) -> bool:
-    if chunk <= 0 or n <= chunk or torch.is_grad_enabled() or labels is not None or not use_cache:
+    if chunk <= 0 or n <= 2 * chunk or torch.is_grad_enabled() or labels is not None or not use_cache:
         return False
     if cache is not None and not isinstance(cache, Cache):
         return False
@@ -106,6 +112,37 @@ def chunked_forward(base_forward, model: PreTrainedModel, *args, **kwargs):
     if cache is None:
         cache = DynamicCache(config=model.config)
     past = cache.get_seq_length()
+    with kept_form.prompt_end(past + n):
+        return _run_chunks(
+            base_forward,
+            model,
+            n,
+            chunk,
+            past,
+            cache,
+            input_ids,
+            inputs_embeds,
+            attention_mask,
+            position_ids,
+            logits_to_keep,
+            rest,
+        )
+
+
+def _run_chunks(
+    base_forward,
+    model,
+    n,
+    chunk,
+    past,
+    cache,
+    input_ids,
+    inputs_embeds,
+    attention_mask,
+    position_ids,
+    logits_to_keep,
+    rest,
+):
     logits, out = [], None
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
