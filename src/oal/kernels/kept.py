@@ -148,7 +148,7 @@ def start(
     n, d, dv = k.shape[2], k.shape[3], v.shape[3]
     limit = keep_limit(kernel, d, dv, dtype.itemsize)
     if (
-        not 0 < n
+        n <= 0
         or _context_end(n) > limit
         or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k, v))
     ):
