@@ -147,11 +147,7 @@ def start(
     dtype = torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
     n, d, dv = k.shape[2], k.shape[3], v.shape[3]
     limit = keep_limit(kernel, d, dv, dtype.itemsize)
-    if (
-        n <= 0
-        or _context_end(n) > limit
-        or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k, v))
-    ):
+    if n <= 0 or _context_end(n) > limit or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k, v)):
         return None
     if needs_autograd(kernel, q, k, v):
         return None
