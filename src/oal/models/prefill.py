@@ -112,56 +112,26 @@ def chunked_forward(base_forward, model: PreTrainedModel, *args, **kwargs):
     if cache is None:
         cache = DynamicCache(config=model.config)
     past = cache.get_seq_length()
-    with kept_form.prompt_end(past + n):
-        return _run_chunks(
-            base_forward,
-            model,
-            n,
-            chunk,
-            past,
-            cache,
-            input_ids,
-            inputs_embeds,
-            attention_mask,
-            position_ids,
-            logits_to_keep,
-            rest,
-        )
-
-
-def _run_chunks(
-    base_forward,
-    model,
-    n,
-    chunk,
-    past,
-    cache,
-    input_ids,
-    inputs_embeds,
-    attention_mask,
-    position_ids,
-    logits_to_keep,
-    rest,
-):
     logits, out = [], None
-    for start in range(0, n, chunk):
-        end = min(n, start + chunk)
-        piece = {
-            "input_ids": None if input_ids is None else input_ids[:, start:end],
-            "inputs_embeds": None if inputs_embeds is None else inputs_embeds[:, start:end],
-            "attention_mask": None if attention_mask is None else attention_mask[:, : past + end],
-            "position_ids": None if position_ids is None else position_ids[..., start:end],
-            "cache": cache,
-            "use_cache": True,
-        }
-        if end < n and logits_to_keep != 0:
-            # only the decoder: no logits to keep here, and the output layer (for a tied embedding, a matrix
-            # whose rows the prompt's lookup barely touched) is read once, after the last chunk's activations
-            model.base_model(**piece, **rest)
-            continue
-        out = base_forward(model, **piece, logits_to_keep=logits_to_keep, **rest)
-        if logits_to_keep == 0:
-            logits.append(out.logits)
+    with kept_form.prompt_end(past + n):  # the layers know where the prompt ends
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            piece = {
+                "input_ids": None if input_ids is None else input_ids[:, start:end],
+                "inputs_embeds": None if inputs_embeds is None else inputs_embeds[:, start:end],
+                "attention_mask": None if attention_mask is None else attention_mask[:, : past + end],
+                "position_ids": None if position_ids is None else position_ids[..., start:end],
+                "cache": cache,
+                "use_cache": True,
+            }
+            if end < n and logits_to_keep != 0:
+                # only the decoder: no logits to keep here, and the output layer (for a tied embedding, a matrix
+                # whose rows the prompt's lookup barely touched) is read once, after the last chunk's activations
+                model.base_model(**piece, **rest)
+                continue
+            out = base_forward(model, **piece, logits_to_keep=logits_to_keep, **rest)
+            if logits_to_keep == 0:
+                logits.append(out.logits)
     if logits_to_keep == 0 and len(logits) > 1:
         out.logits = torch.cat(logits, dim=1)
     return out

@@ -1,0 +1,78 @@
+"""Peak resident memory of one prefill with and without chunks: each point a fresh process that builds the model,
+prefills N seeded random tokens into a fresh cache with ``config.oal_prefill_chunk`` set (0: one call), then
+reports VmHWM, the freed heap glibc keeps (``mallinfo2().fordblks``) and the prefill time. The original, the
+committed converted model (``recipe``) and plain OAL (layers 3–26, synthetic groups), round after round.
+
+    python benchmarks/prefill_peak.py --n 2048 --chunks 0,512 --rounds 3 --out prefill_peak.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def point(model_name: str, n: int, chunk: int) -> dict[str, object]:
+    from oal.bench.decode import DecodeConfig, build_model
+    from oal.bench.devices import heap_kept_bytes
+    from oal.models import KernelCache
+
+    torch.set_num_threads(2)
+    config = DecodeConfig(
+        converted="docs/results/conversion/model" if model_name == "recipe" else None, kernel="oal", layers="3-26"
+    )
+    model = build_model("original" if model_name == "original" else "converted", config)
+    model.config.oal_prefill_chunk = chunk
+    ids = torch.randint(model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    cache = KernelCache(model)
+    with torch.no_grad():
+        start = time.perf_counter()
+        model(ids, cache=cache, logits_to_keep=1)
+        seconds = time.perf_counter() - start
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    kept = heap_kept_bytes() / 2**20
+    return {
+        "model": model_name,
+        "n": n,
+        "chunk": chunk,
+        "peak_rss_mb": round(peak, 1),
+        "heap_kept_mb": round(kept, 1),
+        "peak_minus_kept_mb": round(peak - kept, 1),
+        "prefill_s": round(seconds, 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=2048)
+    ap.add_argument("--chunks", default="0,512", help="chunk lengths of the converted models (0: one call)")
+    ap.add_argument("--models", default="original,recipe,plain")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None, help="JSONL file the points are appended to")
+    ap.add_argument("--point", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.point:
+        print(json.dumps(point(args.point, args.n, args.chunk)))
+        return
+    chunks = [int(c) for c in args.chunks.split(",")]
+    for r in range(args.rounds):
+        for name in args.models.split(","):
+            for chunk in [0] if name == "original" else chunks:
+                cmd = [sys.executable, __file__, "--point", name, "--n", str(args.n), "--chunk", str(chunk)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                row = {"round": r, **json.loads(proc.stdout.strip().splitlines()[-1])}
+                print(json.dumps(row), flush=True)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
