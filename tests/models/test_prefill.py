@@ -106,7 +106,6 @@ def test_generate_with_left_padding_reaches_the_chunks(make_model, monkeypatch):
 
 def test_a_fresh_cache_is_created_as_the_model_would(make_model, monkeypatch):
     model = model_of(make_model, "oal")
-    model.config.oal_prefill_chunk = 16
     ids = prompt(1, 40)
     with torch.no_grad():
         model.config.oal_prefill_chunk = 0

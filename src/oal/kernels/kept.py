@@ -121,6 +121,12 @@ def needs_autograd(kernel, *tensors: torch.Tensor) -> bool:
     )
 
 
+def _cpu_inference(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kept form's fused path can take this call: CPU fp32 inputs, no autograd."""
+    cpu_fp32 = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
+    return cpu_fp32 and not needs_autograd(kernel, q, k, v)
+
+
 def _kept_heads(kernel, x: torch.Tensor) -> torch.Tensor:
     """x ``(B, Hkv, n, ·)`` restricted to the heads whose state the kept form replaces."""
     if isinstance(kernel, ExactHeadsKernel):
@@ -147,9 +153,7 @@ def start(
     dtype = torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
     n, d, dv = k.shape[2], k.shape[3], v.shape[3]
     limit = keep_limit(kernel, d, dv, dtype.itemsize)
-    if n <= 0 or _context_end(n) > limit or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k, v)):
-        return None
-    if needs_autograd(kernel, q, k, v):
+    if n <= 0 or _context_end(n) > limit or not _cpu_inference(kernel, q, k, v):
         return None
     if cpu_kernel.load("decode") is None:
         return None
@@ -241,7 +245,7 @@ def extend(
     total = kept.length + n
     if _context_end(total) > fold_point(kernel, d, dv, layer, kept.k.element_size()):
         return None
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k, v)) or needs_autograd(kernel, q, k, v):
+    if not _cpu_inference(kernel, q, k, v):
         return None
     o, after = kernel(q, k, v, mode="chunk", initial_state=fold(kernel, state), output_final_state=True)
     dtype = kept.k.dtype

@@ -52,6 +52,7 @@ def prefill_chunk(config: object) -> int:
 def _chunkable(
     n: int,
     chunk: int,
+    past: int,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     cache: Cache | None,
@@ -68,7 +69,6 @@ def _chunkable(
         return False
     if any(isinstance(v, torch.Tensor) for v in kwargs.values()):  # per-token inputs this wrapper does not know
         return False
-    past = cache.get_seq_length() if cache is not None else 0
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[-1] != past + n):
         return False
     if position_ids is not None and position_ids.shape[-1] != n:
@@ -105,13 +105,13 @@ def chunked_forward(base_forward, model: PreTrainedModel, *args, **kwargs):
     use_cache, logits_to_keep = kwargs.get("use_cache"), kwargs.get("logits_to_keep", 0)
     if use_cache is None:
         use_cache = getattr(model.config, "use_cache", True)
+    past = cache.get_seq_length() if isinstance(cache, Cache) else 0
     if not _chunkable(
-        n, chunk, attention_mask, position_ids, cache, kwargs.get("labels"), use_cache, logits_to_keep, rest
+        n, chunk, past, attention_mask, position_ids, cache, kwargs.get("labels"), use_cache, logits_to_keep, rest
     ):
         return base_forward(model, **kwargs)
     if cache is None:
         cache = DynamicCache(config=model.config)
-    past = cache.get_seq_length()
     logits, out = [], None
     with kept_form.prompt_end(past + n):  # the layers know where the prompt ends
         for start in range(0, n, chunk):
