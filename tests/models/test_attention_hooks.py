@@ -247,3 +247,29 @@ def test_kernel_dtype_and_custom_kernel_is_called(make_model):
         out = logits(model, torch.randint(0, 101, (1, 7)))
     assert calls == [((1, 6, 7, 8), (1, 2, 7, 8))]
     assert out.dtype == torch.bfloat16 and rec[0].o.dtype == torch.bfloat16 and not rec[0].o.any()
+
+
+@pytest.mark.parametrize(
+    ("window", "exact", "want"),
+    [
+        (None, None, {"chunk", "decode"}),
+        (4, None, {"chunk", "decode", "window"}),
+        (None, {1: [0]}, {"chunk", "decode", "window"}),
+    ],
+)
+def test_attaching_loads_the_fused_extensions_the_kernel_calls(make_model, monkeypatch, window, exact, want):
+    from tiny import convert_tiny
+
+    from oal.ops.quadratic import cpu as cpu_kernels
+
+    loaded = set()
+    monkeypatch.setattr(cpu_kernels, "load", lambda kind="chunk": loaded.add(kind))
+    convert_tiny(make_model("llama", num_heads=6, num_kv_heads=2), window=window, exact=exact)
+    assert loaded == want  # plain OAL never maps the window kernel's library
+
+
+def test_preload_names_known_extensions():
+    from oal.ops.quadratic import cpu as cpu_kernels
+
+    with pytest.raises(ValueError, match="kinds"):
+        cpu_kernels.preload(["chunk", "flash"])

@@ -12,8 +12,16 @@ from transformers import DynamicCache
 from oal.conversion import convert_model
 from oal.conversion.heads import add_exact_heads
 from oal.kernels.kept import KeptKV
-from oal.models import KernelCache
-from oal.models.prefill import CONFIG_CHUNK_KEY, DEFAULT_PREFILL_CHUNK, prefill_chunk
+from oal.models import KernelCache, prefill
+from oal.models.prefill import (
+    CONFIG_CHUNK_KEY,
+    CONFIG_RELEASE_KEY,
+    DEFAULT_PREFILL_CHUNK,
+    RELEASE_MIN_TOKENS,
+    heap_released_before_output,
+    prefill_chunk,
+    releases_prompt_heap,
+)
 
 
 def prompt(batch: int, n: int, seed: int = 0) -> torch.Tensor:
@@ -202,3 +210,82 @@ def test_a_prompt_that_outgrows_the_kept_form_builds_the_state_from_the_first_ch
     got, cache = run(model, ids, 16, steps=0)
     assert not folded and isinstance(cache.layers[1].state, torch.Tensor)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=5e-5)
+
+
+def release_calls(model, monkeypatch) -> list[str]:
+    """Records ``"release"`` for each heap release and ``"head"`` for each call of ``model``'s output layer."""
+    events, head = [], model.get_output_embeddings()
+    monkeypatch.setattr(prefill, "release_freed_heap", lambda: events.append("release") or True)
+    base = torch.nn.Linear.forward
+
+    def spy(self, x):
+        if self is head:
+            events.append("head")
+        return base(self, x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", spy)
+    return events
+
+
+@pytest.mark.parametrize("chunk", [0, 64])
+def test_a_prompt_releases_the_freed_heap_once_before_the_output_layer(make_model, monkeypatch, chunk):
+    model = model_of(make_model, "sink_window_exact_heads")
+    ids = prompt(2, 150)  # in chunks of 64, 64, 22
+    assert ids.numel() >= RELEASE_MIN_TOKENS
+    model.config.oal_release_prompt_heap = False
+    (want, *want_steps), _ = run(model, ids, chunk, steps=2, logits_to_keep=1)
+    model.config.oal_release_prompt_heap = True
+    events = release_calls(model, monkeypatch)
+    (got, *steps), _ = run(model, ids, chunk, steps=2, logits_to_keep=1)
+    assert events == ["release", "head", "head", "head"]  # the prompt's output layer, then two decode steps'
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(steps, want_steps, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert not model.get_output_embeddings()._forward_pre_hooks  # the hook lives for the prompt's call only
+
+
+@pytest.mark.parametrize("case", ["short", "batch_short", "grad", "off"])
+def test_no_release_where_it_is_not_asked_for(make_model, monkeypatch, case):
+    model = model_of(make_model, "oal")
+    ids = {"short": prompt(1, 200), "batch_short": prompt(2, RELEASE_MIN_TOKENS // 2 - 1)}.get(case, prompt(2, 150))
+    model.config.oal_release_prompt_heap = case != "off"
+    events = release_calls(model, monkeypatch)
+    with torch.set_grad_enabled(case == "grad"):
+        model(ids, logits_to_keep=1)
+    assert events == ["head"]
+
+
+def test_release_setting(make_model):
+    model = model_of(make_model, "oal")
+    assert releases_prompt_heap(model.config) is True
+    model.config.oal_release_prompt_heap = False
+    assert releases_prompt_heap(model.config) is False
+    for bad in (0, 1, "yes", None):
+        setattr(model.config, CONFIG_RELEASE_KEY, bad)
+        with pytest.raises(ValueError, match=CONFIG_RELEASE_KEY):
+            releases_prompt_heap(model.config)
+
+
+def test_the_control_hook_applies_to_any_model(make_model, monkeypatch):
+    model = make_model("llama", num_heads=6, num_kv_heads=2)  # an original transformers model
+    events = release_calls(model, monkeypatch)
+    with torch.no_grad():
+        with heap_released_before_output(model):
+            model(prompt(1, 8))
+        model(prompt(1, 8))
+    assert events == ["release", "head", "head"]
+
+
+def resident_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.skipif(not prefill._malloc_trim(), reason="glibc's malloc_trim: the C library of Linux CI")
+def test_release_returns_freed_heap_to_the_system():
+    blocks = [torch.ones(16_000) for _ in range(1600)]  # 64 kB each: malloc's heap, not mmap
+    del blocks[::2]  # 51 MB of holes between live blocks: free() alone cannot return them
+    before = resident_mb()
+    assert prefill.release_freed_heap() is True
+    assert before - resident_mb() > 25
+    del blocks

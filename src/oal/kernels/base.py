@@ -41,6 +41,9 @@ class AttentionKernel(nn.Module):
     """
 
     name: str = "kernel"
+    #: the fused CPU extensions (:mod:`oal.ops.quadratic.cpu`) this kernel's own code calls: loaded when it is
+    #: attached to a model on CPU (the chunked operator and the decode step, which also decodes softmax layers)
+    cpu_extensions: tuple[str, ...] = ("chunk", "decode")
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()

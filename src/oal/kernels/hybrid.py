@@ -83,6 +83,8 @@ class ExactHeadsKernel(AttentionKernel):
     cache and what a decode step reads of it; the attention itself computes in the inputs' dtype.
     """
 
+    cpu_extensions = ("chunk", "decode", "window")  # the exact part's prompt kernel
+
     def __init__(
         self, inner: OALKernel | SinkWindowKernel, exact_kv_heads: Iterable[int], kv_dtype: torch.dtype | None = None
     ) -> None:

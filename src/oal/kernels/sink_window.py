@@ -56,6 +56,8 @@ class SinkWindowKernel(AttentionKernel):
     ``forward`` returns a :class:`oal.ops.sink_window.SinkWindowState` as its recurrent state.
     """
 
+    cpu_extensions = ("chunk", "decode", "window")  # the exact part's prompt kernel
+
     def __init__(self, inner: OALKernel, n_sink: int = 4, window: int = 64, beta: torch.Tensor | None = None) -> None:
         if not isinstance(inner, OALKernel):
             raise ValueError(f"inner: expected an OALKernel or GlobalQuadraticKernel, got {type(inner).__name__}")

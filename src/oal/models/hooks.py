@@ -477,7 +477,9 @@ def attach_kernel(model: PreTrainedModel, layer: int, kernel: AttentionKernel) -
     kernel._apply = _KeepPrecisionApply(kernel)
     setattr(module, KERNEL_ATTR, kernel.to(module.q_proj.weight.device))
     if module.q_proj.weight.device.type == "cpu":
-        cpu_kernels.preload()  # at attach time, not inside the first forward (a prefill's timing included)
+        # at attach time, not inside the first forward (a prefill's timing included); only what the kernel calls
+        # (each library's code pages are resident memory of every process running the model)
+        cpu_kernels.preload({e for m in kernel.modules() if isinstance(m, AttentionKernel) for e in m.cpu_extensions})
     _sync_cache_hooks(model)
     _sync_attn_implementation(model)
 

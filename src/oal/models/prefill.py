@@ -17,12 +17,23 @@ It applies where nothing else can tell the difference: inference (no autograd), 
 hidden-state outputs, a 2-D (or no) attention mask, and a cache to carry the chunks (a :class:`DynamicCache` is
 created as the model itself would create one when ``use_cache`` allows it). ``config.oal_prefill_chunk`` sets the
 chunk length (0 or None: one call, as the base model).
+
+The peak resident memory of a CPU prefill is reached at its end, when the output layer runs: by then glibc's malloc
+holds the freed blocks of the decoder's activations (tens of MB at 1k tokens, how much depending on the order of
+past allocations, not on what the model holds) and the output layer adds its weight's pages. So before the output
+layer of an inference prompt of at least :data:`RELEASE_MIN_TOKENS` tokens on CPU the freed heap is returned to the
+operating system (glibc's ``malloc_trim(0)``: one call per prompt, ~1 ms; decode steps and training never call it;
+a no-op without glibc). ``config.oal_release_prompt_heap = False`` turns it off. transformers' own models do not do
+this; :func:`heap_released_before_output` applies the same to any model, e.g. as the control of a benchmark.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -30,13 +41,27 @@ from transformers.cache_utils import Cache
 
 from ..kernels import kept as kept_form
 
-__all__ = ["CONFIG_CHUNK_KEY", "DEFAULT_PREFILL_CHUNK", "chunked_forward", "prefill_chunk"]
+__all__ = [
+    "CONFIG_CHUNK_KEY",
+    "CONFIG_RELEASE_KEY",
+    "DEFAULT_PREFILL_CHUNK",
+    "RELEASE_MIN_TOKENS",
+    "chunked_forward",
+    "heap_released_before_output",
+    "prefill_chunk",
+    "release_freed_heap",
+    "releases_prompt_heap",
+]
 
 #: the config attribute that sets the chunk length
 CONFIG_CHUNK_KEY = "oal_prefill_chunk"
 #: the default chunk length: GEMMs of 512 rows run at the full speed of larger ones on CPU, and SmolLM2's
 #: activations for 512 tokens are ~12 MB in fp32
 DEFAULT_PREFILL_CHUNK = 512
+#: the config attribute that switches the release of the freed heap before the output layer (default on)
+CONFIG_RELEASE_KEY = "oal_release_prompt_heap"
+#: prompts (batch × length) below this skip the release: their freed activations are a few MB
+RELEASE_MIN_TOKENS = 256
 
 
 def prefill_chunk(config: object) -> int:
@@ -47,6 +72,64 @@ def prefill_chunk(config: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"config.{CONFIG_CHUNK_KEY}: expected an int ≥ 0 (0: no chunking), got {value!r}")
     return value
+
+
+def releases_prompt_heap(config: object) -> bool:
+    """Whether ``config.oal_release_prompt_heap`` asks for the heap release of a prompt (default True)."""
+    value = getattr(config, CONFIG_RELEASE_KEY, True)
+    if not isinstance(value, bool):
+        raise ValueError(f"config.{CONFIG_RELEASE_KEY}: expected True or False, got {value!r}")
+    return value
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim`` from the C library already loaded in this process, or None (another libc)."""
+    try:
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except (OSError, TypeError):  # no C library to open by None (Windows)
+        return None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_freed_heap() -> bool:
+    """Return the heap that malloc holds freed to the operating system (``malloc_trim(0)``); whether it could."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+def _release_hook(module: torch.nn.Module, args: tuple) -> None:
+    release_freed_heap()
+
+
+@contextmanager
+def heap_released_before_output(model: PreTrainedModel) -> Iterator[None]:
+    """Within the block, every call of ``model``'s output layer (``get_output_embeddings()``) first returns the
+    freed heap to the operating system (:func:`release_freed_heap`). A no-op for a model without an output layer."""
+    head = model.get_output_embeddings()
+    if head is None:
+        yield
+        return
+    handle = head.register_forward_pre_hook(_release_hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _releases(model: PreTrainedModel, source: torch.Tensor) -> bool:
+    """Whether this call is an inference prompt on CPU whose freed heap is released before the output layer."""
+    return (
+        source.shape[0] * source.shape[1] >= RELEASE_MIN_TOKENS
+        and not torch.is_grad_enabled()
+        and source.device.type == "cpu"
+        and releases_prompt_heap(model.config)
+    )
 
 
 def _chunkable(
@@ -86,7 +169,8 @@ def _parameter_names(fn) -> tuple[str, ...]:
 
 def chunked_forward(base_forward, model: PreTrainedModel, *args, **kwargs):
     """``base_forward(model, ...)`` over the prompt in chunks where that is equivalent (module docstring),
-    otherwise one call. The output is the last chunk's, with the logits of all chunks when ``logits_to_keep`` is 0.
+    otherwise one call; an inference prompt's freed heap released before the output layer (module docstring). The
+    output is the last chunk's, with the logits of all chunks when ``logits_to_keep`` is 0.
     """
     if args:  # positional arguments by the base forward's parameter names (model(ids) is the common call)
         names = _parameter_names(base_forward)
@@ -97,6 +181,15 @@ def chunked_forward(base_forward, model: PreTrainedModel, *args, **kwargs):
     source = input_ids if input_ids is not None else inputs_embeds
     if source is None or source.dim() < 2:
         return base_forward(model, **kwargs)
+    if _releases(model, source):
+        with heap_released_before_output(model):
+            return _forward(base_forward, model, source, kwargs)
+    return _forward(base_forward, model, source, kwargs)
+
+
+def _forward(base_forward, model: PreTrainedModel, source: torch.Tensor, kwargs: dict):
+    """:func:`chunked_forward` with its arguments by name."""
+    input_ids, inputs_embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
     n, chunk = source.shape[1], prefill_chunk(model.config)
     named = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache", "past_key_values", "labels")
     rest = {k: v for k, v in kwargs.items() if k not in (*named, "use_cache", "logits_to_keep")}

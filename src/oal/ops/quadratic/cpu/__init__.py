@@ -25,7 +25,7 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -123,10 +123,15 @@ def load(kind: str = "chunk") -> ModuleType | None:
     return _state[kind]
 
 
-def preload() -> None:
-    """Load (building on first use) every fused kernel now, so that the first forward of a converted model on CPU
-    does not pay for it (~50 ms, or the builds); a no-op for kernels already loaded, and when disabled."""
-    for kind in SOURCES:
+def preload(kinds: Iterable[str] | None = None) -> None:
+    """Load (building on first use) the fused kernels ``kinds`` (default: all of :data:`SOURCES`) now, so that the
+    first forward of a converted model on CPU does not pay for it (~50 ms, or the builds); a no-op for kernels
+    already loaded, and when disabled."""
+    kinds = list(SOURCES) if kinds is None else sorted(kinds)
+    unknown = [kind for kind in kinds if kind not in SOURCES]
+    if unknown:
+        raise ValueError(f"kinds: expected names from {sorted(SOURCES)}, got {unknown}")
+    for kind in kinds:
         load(kind)
 
 
