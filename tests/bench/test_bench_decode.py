@@ -42,6 +42,7 @@ def test_run_point_in_process(tiny_dir, kernel):
         assert p["context_end"] == p["n"] + 4
         # glibc: freed heap kept inside the resident set, a part of it (None elsewhere)
         assert p["heap_kept_mb"] is None or 0 <= p["heap_kept_mb"] < p["peak_rss_mb"]
+        assert p["run_peak_rss_mb"] >= p["peak_rss_mb"]  # over the prefill and the decode steps
     # converted layers hold a fixed-size state; the two softmax layers grow by 32 tokens of keys and values
     kv_growth = 2 * 2 * 2 * 32 * 8 * 4  # layers × (k, v) × kv heads × tokens × head_dim × fp32 bytes
     assert large["cache_mb"] - small["cache_mb"] == pytest.approx(kv_growth / 2**20)
@@ -74,7 +75,7 @@ def test_sweep_writes_json_and_markdown(tmp_path):
     assert json.loads((tmp_path / "decode.json").read_text()) == json.loads(json.dumps(doc))
     md = (tmp_path / "decode.md").read_text()
     assert md == markdown(doc)
-    assert "| 1024 | converted | 1.50 | 5.00 | 200.0 | 10.2 | 900 | 2.0 | – |" in md  # no kept heap measured
+    assert "| 1024 | converted | 1.50 | 5.00 | 200.0 | 10.2 | 900 | 2.0 | – | – |" in md  # no run peak, no kept heap
     assert "| 2048 | converted | failed: killed by signal 9 (out of memory?) |" in md
     with pytest.raises(ValueError, match="methods"):
         run_sweep(DecodeConfig(), [16], tmp_path, methods=("fast",), runner=fake)
@@ -91,7 +92,7 @@ def test_repeated_sweep_interleaves_rounds_and_reports_medians_and_ratios(tmp_pa
         return {"method": method, "n": n, "prefill_s": latency / 10, "ms_per_token": latency,
                 "tokens_per_s": 1e3 / latency, "cache_mb": 4.0 if method == "original" else 1.0,
                 "peak_rss_mb": 1000.0 + latency, "decode_peak_mb": 0.0, "heap_kept_mb": latency / 2,
-                "times_ms": [latency]}  # fmt: skip
+                "run_peak_rss_mb": 1000.0 + 2 * latency, "times_ms": [latency]}  # fmt: skip
 
     doc = run_sweep(DecodeConfig(), [1024, 2048], tmp_path, repeats=2, runner=fake)
     # whole sweeps one after the other, N ascending, both models of a size side by side
@@ -108,8 +109,9 @@ def test_repeated_sweep_interleaves_rounds_and_reports_medians_and_ratios(tmp_pa
     assert "times_ms" not in pts[("original", 1024)] and "round" not in pts[("original", 1024)]
     md = (tmp_path / "decode.md").read_text()
     assert md == markdown(doc) and "median over 2 rounds" in md
-    # 1.5 / 0.45 s, 15 / 4.5 ms, 1 / 4 MB, 1004.5 / 1015 MB, (1004.5 - 2.25) / (1015 - 7.5) MB
-    assert "| 1024 | 3.33× | 3.33× | 0.25× | 0.990× | 0.995× |" in md
-    assert "| 2048 | 21.00× | 21.00× | 0.25× | 0.980× | 0.990× |" in md
+    # 1.5 / 0.45 s, 15 / 4.5 ms, 1 / 4 MB, 1004.5 / 1015 MB, run peaks 1009 / 1030 (and 1002 / 1042) MB,
+    # (1004.5 - 2.25) / (1015 - 7.5) MB
+    assert "| 1024 | 3.33× | 3.33× | 0.25× | 0.990× | 0.980× | 0.995× |" in md
+    assert "| 2048 | 21.00× | 21.00× | 0.25× | 0.980× | 0.962× | 0.990× |" in md
     with pytest.raises(ValueError, match="repeats: expected a positive integer"):
         run_sweep(DecodeConfig(), [16], tmp_path, repeats=0, runner=fake)

@@ -12,9 +12,11 @@ Memory: ``cache_mb`` is the bytes the cache holds after the last step (keys and 
 kernel states of converted ones: :func:`oal.models.state_cache.cache_nbytes`); ``peak_rss_mb`` the process's peak
 resident set up to the end of the prefill (VmHWM; on CUDA the allocator's peak), ``heap_kept_mb`` how much of
 the resident set at that point is freed heap glibc keeps (no data: fragmentation), ``decode_peak_mb`` the peak
-above the resident memory before the decode steps, during them. Converted OAL layers use synthetic groups when
-no ``groups``/``calibrated`` file is given (the last two dimensions of each head in a second group): the
-recurrent OAL step costs the same for any grouping, since its packed state and coefficients have fixed sizes.
+above the resident memory before the decode steps, during them, and ``run_peak_rss_mb`` the process's peak over
+both (memory the prefill returned to the system that the decode steps take again counts). Converted OAL layers
+use synthetic groups when no ``groups``/``calibrated`` file is given (the last two dimensions of each head in a
+second group): the recurrent OAL step costs the same for any grouping, since its packed state and coefficients
+have fixed sizes.
 """
 
 from __future__ import annotations
@@ -181,6 +183,7 @@ def run_point(method: str, n: int, config: DecodeConfig) -> dict[str, object]:
         "peak_rss_mb": peak_rss / MB,
         "heap_kept_mb": None if kept is None else kept / MB,
         "decode_peak_mb": memory.peak_bytes / MB,
+        "run_peak_rss_mb": max(peak_rss, memory.baseline_bytes + memory.peak_bytes) / MB,
         "times_ms": [t * 1e3 for t in times],
         "device": device.kind,
         "threads": torch.get_num_threads(),
@@ -212,6 +215,9 @@ DEFINITIONS = {
     "peak_rss_mb": "peak resident set of the point's process (model, inputs, prefill) up to the end of the "
     "prefill (VmHWM); on CUDA torch.cuda.max_memory_allocated",
     "decode_peak_mb": "peak memory above the resident memory before the decode steps, during them",
+    "run_peak_rss_mb": "peak resident set of the point's process over the prefill and the decode steps: the larger "
+    "of peak_rss_mb and the resident memory before the decode steps plus decode_peak_mb (memory a prefill "
+    "returned to the system and the decode steps took again counts)",
     "heap_kept_mb": "freed heap glibc's malloc keeps at the end of the prefill (mallinfo2 fordblks; CPU, glibc): "
     "resident memory inside peak_rss_mb that holds no data; it differs between runs of the same model by tens of MB "
     "(the order of past allocations), so peak RSS differences of that size are allocator noise",
@@ -227,6 +233,7 @@ _MEDIAN_FIELDS = (
     "cache_mb",
     "peak_rss_mb",
     "decode_peak_mb",
+    "run_peak_rss_mb",
     "heap_kept_mb",
 )
 
@@ -311,11 +318,11 @@ def _fmt(x: object, digits: int = 1) -> str:
 
 def table_rows(doc: dict) -> list[list[str]]:
     """Rows of the report table: N, model, prefill s, ms/token, tokens/s, cache MB, peak RSS MB, decode peak MB,
-    kept heap MB (an error in place of the numbers for a failed point)."""
+    run peak RSS MB, kept heap MB (an error in place of the numbers for a failed point)."""
     rows = []
     for p in doc["points"]:
         if p.get("error"):
-            rows.append([str(p["n"]), p["method"], f"failed: {p['error']}", "", "", "", "", "", ""])
+            rows.append([str(p["n"]), p["method"], f"failed: {p['error']}", *[""] * (len(HEADER) - 3)])
             continue
         rows.append(
             [
@@ -327,6 +334,7 @@ def table_rows(doc: dict) -> list[list[str]]:
                 _fmt(p["cache_mb"], 1),
                 _fmt(p["peak_rss_mb"], 0),
                 _fmt(p["decode_peak_mb"], 1),
+                _fmt(p.get("run_peak_rss_mb"), 0),
                 _fmt(p.get("heap_kept_mb"), 0),
             ]
         )
@@ -342,9 +350,18 @@ HEADER = [
     "cache MB",
     "peak RSS MB",
     "decode peak MB",
+    "run peak RSS MB",
     "kept heap MB",
 ]
-RATIO_HEADER = ["N", "prefill speed-up", "decode speed-up", "cache ratio", "peak RSS ratio", "peak − kept heap ratio"]
+RATIO_HEADER = [
+    "N",
+    "prefill speed-up",
+    "decode speed-up",
+    "cache ratio",
+    "peak RSS ratio",
+    "run peak RSS ratio",
+    "peak − kept heap ratio",
+]
 
 
 def _live_ratio(original: dict, converted: dict) -> str:
@@ -354,10 +371,17 @@ def _live_ratio(original: dict, converted: dict) -> str:
     return f"{live[1] / live[0]:.3f}×"
 
 
+def _run_peak_ratio(original: dict, converted: dict) -> str:
+    if original.get("run_peak_rss_mb") is None or converted.get("run_peak_rss_mb") is None:
+        return "–"  # a record from before the field
+    return f"{converted['run_peak_rss_mb'] / original['run_peak_rss_mb']:.3f}×"
+
+
 def ratio_rows(doc: dict) -> list[list[str]]:
     """Per N with both models measured: original / converted prefill time and decode latency (> 1: the converted
-    model is faster), converted / original cache, peak RSS and peak RSS less the kept heap (< 1: it holds less;
-    the last, where both points measured the kept heap, is what the processes held, without allocator slack)."""
+    model is faster), converted / original cache, peak RSS (of the prefill; of prefill and decode) and peak RSS less
+    the kept heap (< 1: it holds less; the last, where both points measured the kept heap, is what the processes
+    held, without allocator slack)."""
     pts = {(p["method"], p["n"]): p for p in doc["points"] if not p.get("error")}
     rows = []
     for n in sorted({n for _, n in pts}):
@@ -371,6 +395,7 @@ def ratio_rows(doc: dict) -> list[list[str]]:
                 f"{o['ms_per_token'] / c['ms_per_token']:.2f}×",
                 f"{c['cache_mb'] / o['cache_mb']:.2f}×",
                 f"{c['peak_rss_mb'] / o['peak_rss_mb']:.3f}×",
+                _run_peak_ratio(o, c),
                 _live_ratio(o, c),
             ]
         )
