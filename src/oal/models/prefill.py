@@ -22,9 +22,10 @@ The peak resident memory of a CPU prefill is reached at its end, when the output
 holds the freed blocks of the decoder's activations (tens of MB at 1k tokens, how much depending on the order of
 past allocations, not on what the model holds) and the output layer adds its weight's pages. So before the output
 layer of an inference prompt of at least :data:`RELEASE_MIN_TOKENS` tokens on CPU the freed heap is returned to the
-operating system (glibc's ``malloc_trim(0)``: one call per prompt, ~1 ms; decode steps and training never call it;
-a no-op without glibc). ``config.oal_release_prompt_heap = False`` turns it off. transformers' own models do not do
-this; :func:`heap_released_before_output` applies the same to any model, e.g. as the control of a benchmark.
+operating system (glibc's ``malloc_trim(0)``: one call per prompt, 4 ms at 1k tokens; decode steps and training
+never call it; a no-op without glibc). ``config.oal_release_prompt_heap = False`` turns it off. transformers' own
+models do not do this; :func:`heap_released_before_output` applies the same to any model, e.g. as the control of a
+benchmark. Buffers the decode steps allocate afterwards take memory from the system again (docs/models.md).
 """
 
 from __future__ import annotations
