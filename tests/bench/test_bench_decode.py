@@ -43,6 +43,7 @@ def test_run_point_in_process(tiny_dir, kernel):
         # glibc: freed heap kept inside the resident set, a part of it (None elsewhere)
         assert p["heap_kept_mb"] is None or 0 <= p["heap_kept_mb"] < p["peak_rss_mb"]
         assert p["run_peak_rss_mb"] >= p["peak_rss_mb"]  # over the prefill and the decode steps
+        assert p["load_peak_rss_mb"] > 0 and isinstance(p["peak_from_prefill"], bool)
     # converted layers hold a fixed-size state; the two softmax layers grow by 32 tokens of keys and values
     kv_growth = 2 * 2 * 2 * 32 * 8 * 4  # layers × (k, v) × kv heads × tokens × head_dim × fp32 bytes
     assert large["cache_mb"] - small["cache_mb"] == pytest.approx(kv_growth / 2**20)

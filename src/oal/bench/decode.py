@@ -10,7 +10,8 @@ Every (model, N) point runs in a fresh interpreter (``python -m oal.bench.decode
 
 Memory: ``cache_mb`` is the bytes the cache holds after the last step (keys and values of softmax layers,
 kernel states of converted ones: :func:`oal.models.state_cache.cache_nbytes`); ``peak_rss_mb`` the process's peak
-resident set up to the end of the prefill (VmHWM; on CUDA the allocator's peak), ``heap_kept_mb`` how much of
+resident set during the prefill (VmHWM reset after the model's load, whose own peak is ``load_peak_rss_mb``: in
+bf16 transformers' cast of the weights, above any prefill's; on CUDA the allocator's peak), ``heap_kept_mb`` how much of
 the resident set at that point is freed heap glibc keeps (no data: fragmentation), ``decode_peak_mb`` the peak
 above the resident memory before the decode steps, during them, and ``run_peak_rss_mb`` the process's peak over
 both (memory the prefill returned to the system that the decode steps take again counts). Converted OAL layers
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ..io import provenance, write_json, write_text
-from .devices import PROC_STATUS, get_device, heap_kept_bytes
+from .devices import CLEAR_REFS, PROC_STATUS, get_device, heap_kept_bytes
 from .machine import parse_dtype
 from .op import _child_env, _describe_failure
 
@@ -137,6 +138,19 @@ def _process_peak_bytes(kind: str, device: torch.device) -> int:
     raise RuntimeError(f"{PROC_STATUS} has no VmHWM line")
 
 
+def _reset_peak(kind: str, device: torch.device) -> bool:
+    """Reset the process's peak memory to what it holds now (VmHWM through /proc/self/clear_refs; on CUDA the
+    allocator's peak); False where the system refuses it."""
+    if kind == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 def run_point(method: str, n: int, config: DecodeConfig) -> dict[str, object]:
     """Measure one point in this process (call it in a fresh one; see the module docstring)."""
     from ..models import KernelCache
@@ -148,6 +162,10 @@ def run_point(method: str, n: int, config: DecodeConfig) -> dict[str, object]:
     gen = torch.Generator().manual_seed(config.seed)
     ids = torch.randint(model.config.vocab_size, (config.batch, n), generator=gen).to(device.device)
     cache = KernelCache(model)
+    # the load's own peak (in bf16 transformers' cast of the fp32 weights, above any prefill's), then the peak
+    # measured from the prefill's start where the high-water mark can be reset
+    load_peak = _process_peak_bytes(device.kind, device.device)
+    from_prefill = _reset_peak(device.kind, device.device)
     with torch.no_grad():
         start = time.perf_counter()
         out = model(ids, cache=cache, logits_to_keep=1)
@@ -181,6 +199,8 @@ def run_point(method: str, n: int, config: DecodeConfig) -> dict[str, object]:
         "tokens_per_s": 1.0 / median,
         "cache_mb": cache_nbytes(cache) / MB,
         "peak_rss_mb": peak_rss / MB,
+        "load_peak_rss_mb": load_peak / MB,
+        "peak_from_prefill": from_prefill,
         "heap_kept_mb": None if kept is None else kept / MB,
         "decode_peak_mb": memory.peak_bytes / MB,
         "run_peak_rss_mb": max(peak_rss, memory.baseline_bytes + memory.peak_bytes) / MB,
@@ -212,8 +232,10 @@ DEFINITIONS = {
     "tokens_per_s": "1000 / ms_per_token",
     "cache_mb": "bytes held by the cache after the last step: keys and values of softmax layers, recurrent "
     "states of converted ones",
-    "peak_rss_mb": "peak resident set of the point's process (model, inputs, prefill) up to the end of the "
-    "prefill (VmHWM); on CUDA torch.cuda.max_memory_allocated",
+    "peak_rss_mb": "peak resident set of the point's process during the prefill (VmHWM, reset after the model's "
+    "load when peak_from_prefill; the model and inputs resident count), up to its end; on CUDA "
+    "torch.cuda.max_memory_allocated",
+    "load_peak_rss_mb": "peak resident set of the point's process up to the prefill's start: the model's load",
     "decode_peak_mb": "peak memory above the resident memory before the decode steps, during them",
     "run_peak_rss_mb": "peak resident set of the point's process over the prefill and the decode steps: the larger "
     "of peak_rss_mb and the resident memory before the decode steps plus decode_peak_mb (memory a prefill "
@@ -234,6 +256,7 @@ _MEDIAN_FIELDS = (
     "peak_rss_mb",
     "decode_peak_mb",
     "run_peak_rss_mb",
+    "load_peak_rss_mb",
     "heap_kept_mb",
 )
 
