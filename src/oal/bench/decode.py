@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ..io import provenance, write_json, write_text
-from .devices import CLEAR_REFS, PROC_STATUS, get_device, heap_kept_bytes
+from .devices import PROC_STATUS, get_device, heap_kept_bytes
 from .machine import parse_dtype
 from .op import _child_env, _describe_failure
 
@@ -138,19 +138,6 @@ def _process_peak_bytes(kind: str, device: torch.device) -> int:
     raise RuntimeError(f"{PROC_STATUS} has no VmHWM line")
 
 
-def _reset_peak(kind: str, device: torch.device) -> bool:
-    """Reset the process's peak memory to what it holds now (VmHWM through /proc/self/clear_refs; on CUDA the
-    allocator's peak); False where the system refuses it."""
-    if kind == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return True
-    try:
-        CLEAR_REFS.write_text("5")
-    except OSError:
-        return False
-    return True
-
-
 def run_point(method: str, n: int, config: DecodeConfig) -> dict[str, object]:
     """Measure one point in this process (call it in a fresh one; see the module docstring)."""
     from ..models import KernelCache
@@ -165,7 +152,7 @@ def run_point(method: str, n: int, config: DecodeConfig) -> dict[str, object]:
     # the load's own peak (in bf16 transformers' cast of the fp32 weights, above any prefill's), then the peak
     # measured from the prefill's start where the high-water mark can be reset
     load_peak = _process_peak_bytes(device.kind, device.device)
-    from_prefill = _reset_peak(device.kind, device.device)
+    from_prefill = device.reset_peak()
     with torch.no_grad():
         start = time.perf_counter()
         out = model(ids, cache=cache, logits_to_keep=1)

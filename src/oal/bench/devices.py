@@ -54,6 +54,10 @@ class BenchDevice(ABC):
         """Run ``fn`` once and measure its peak memory above what is resident before it."""
 
     @abstractmethod
+    def reset_peak(self) -> bool:
+        """Reset the peak memory to what is resident now; False where the system refuses it."""
+
+    @abstractmethod
     def describe(self) -> dict[str, object]: ...
 
 
@@ -124,8 +128,7 @@ class CPUDevice(BenchDevice):
                 return int(line.split()[1]) * 1024
         raise RuntimeError(f"{PROC_MEMINFO} has no MemAvailable line")
 
-    @staticmethod
-    def _reset_high_water_mark() -> bool:
+    def reset_peak(self) -> bool:
         """Writing 5 to clear_refs resets VmHWM to the current RSS (Linux ≥ 4.0); some sandboxes refuse it."""
         try:
             CLEAR_REFS.write_text("5")
@@ -136,7 +139,7 @@ class CPUDevice(BenchDevice):
     def peak_during(self, fn: Callable[[], object]) -> MemoryReading:
         gc.collect()
         rss = _status_kb("VmRSS") * 1024
-        reset = self._reset_high_water_mark()
+        reset = self.reset_peak()
         hwm_before = _status_kb("VmHWM") * 1024
         out = fn()
         hwm = _status_kb("VmHWM") * 1024
@@ -181,11 +184,15 @@ class CUDADevice(BenchDevice):
     def free_bytes(self) -> int:
         return int(torch.cuda.mem_get_info(self.device)[0])
 
+    def reset_peak(self) -> bool:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return True
+
     def peak_during(self, fn: Callable[[], object]) -> MemoryReading:
         gc.collect()
         self.synchronize()
         base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self.reset_peak()
         out = fn()
         self.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device)
