@@ -2,7 +2,9 @@
 3 KV heads, d = 64), one process, both alternating, minimum of ``--repeats``:
 
 * prefill: ``window.cpp``'s ``exact_prefill`` (the exact heads of ``ExactHeadsKernel`` over a prompt) against
-  ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)``, fp32 keys/values and bf16 ones as stored;
+  ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)``, fp32 keys/values, bf16 ones as stored, and
+  bf16 ones with bf16 products (``ExactHeadsKernel(product_dtype=torch.bfloat16)``: AVX512_BF16 where the core has
+  it);
 * decode: ``oal.kernels.decode.softmax_decode_step`` (a softmax layer's one-token step from an ``ExactKVLayer``)
   over the buffers of 6 layers in turn (75 MB at 8k: more than the L3 cache, as inside the model) against SDPA on
   the same keys.
@@ -47,7 +49,9 @@ def measure(n: int, ext, repeats: int) -> None:
     )
     row["fused_ms"] = best(lambda: ext.exact_prefill(q, k, v, 0, scale), repeats)
     row["fused_bf16_kv_ms"] = best(lambda: ext.exact_prefill(q, kb, vb, 0, scale), repeats)
+    row["fused_bf16_products_ms"] = best(lambda: ext.exact_prefill(q, kb, vb, 0, scale, True), repeats)
     row["speedup"] = row["sdpa_ms"] / row["fused_ms"]
+    row["bf16_products_speedup"] = row["fused_bf16_kv_ms"] / row["fused_bf16_products_ms"]
     print(json.dumps({key: round(x, 2) if isinstance(x, float) else x for key, x in row.items()}), flush=True)
     layers = [(torch.randn(1, 3, n + 64, 64, generator=gen), torch.randn(1, 3, n + 64, 64, generator=gen))]
     layers += [(a.clone(), b.clone()) for a, b in layers * 5]

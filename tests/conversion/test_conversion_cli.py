@@ -113,7 +113,10 @@ def test_bench_decode_runs_points_in_subprocesses(base_dir, tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--recipe", "fastest"], "expected one of retrieval, retrieval-fp32kv, retrieval-copy, retrieval-bf16kv"),
+        (
+            ["--recipe", "fastest"],
+            "expected one of retrieval, retrieval-fp32products, retrieval-fp32kv, retrieval-copy, retrieval-bf16kv",
+        ),
         (["--recipe", "retrieval", "--kernel", "global"], "--recipe fixes the kernel"),
         (["--recipe", "retrieval", "--layers", "1-2"], "--recipe fixes the kernel"),
     ],

@@ -245,3 +245,28 @@ def test_bf16_exact_buffers_grow_and_keep_their_dtype():
     with torch.no_grad():
         want, _ = kernel(q, k, v)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("d, Hq, Hkv", [(64, 9, 3), (32, 2, 2), (64, 10, 2)])
+def test_fused_decode_bf16_products(d, Hq, Hkv):
+    """product_dtype=bf16 in the decode step (queries and weights rounded; the vector kernel for ≤ 4 query heads
+    per KV head, the generic one for 5) over more keys than one split-K part: within 2^-8 · max |v| of the
+    kernel's own pass (its fused prompt kernel) and of bf16_product_attention on the exact heads."""
+    from oal.kernels.hybrid import bf16_product_attention
+
+    base = make_kernel("exact+sink_window", Hq, Hkv, d, exact=(0, Hkv - 1))
+    kernel = ExactHeadsKernel(base.inner, base.exact_kv_heads, torch.bfloat16, torch.bfloat16)
+    q, k, v = (x.float() for x in make_qkv(1, Hq, Hkv, 2110, d))
+    got, state = run_decode(kernel, q, k, v, 2101)
+    with torch.no_grad():
+        want, _ = kernel(q, k, v)
+    bound = 2**-8 * float(v.abs().max())
+    assert float((got[:, :, 2101:] - want[:, :, 2101:]).abs().max()) <= bound
+    ex = list(kernel.exact_kv_heads)
+    eq = kernel._exact_q
+    ref = bf16_product_attention(q[:, eq, 2101:], k[:, ex], v[:, ex], 2101, kernel.scale)
+    assert float((got[:, eq, 2101:] - ref).abs().max()) <= bound
+    with torch.no_grad():
+        fp32 = ExactHeadsKernel(base.inner, base.exact_kv_heads, torch.bfloat16)
+        plain, _ = run_decode(fp32, q, k, v, 2101)
+    assert float((plain[:, eq, 2101:] - got[:, eq, 2101:]).abs().max()) > 1e-6  # the rounding is applied

@@ -187,3 +187,70 @@ def test_bad_kv_dtype_and_state_dtype():
     cfg = {**kernel_config(m), "kv_dtype": "float16"}
     with pytest.raises(ValueError, match="kv_dtype expected 'bfloat16'"):
         kernel_from_config(cfg)
+
+
+@pytest.mark.parametrize("kind", ["oal", "sink_window"])
+def test_bf16_products_every_path_agrees(kind, spy_fast_path):
+    """product_dtype=bf16: the fused prompt kernel, the torch path (fused kernels off), prefill + continuation and
+    the rounded-query autograd path agree within 2^-8 · max |v| on the exact heads; the kernel heads are untouched;
+    the exact heads differ from fp32 products (the rounding is applied); config round trip."""
+    import oal.kernels.hybrid as hybrid
+    from oal.ops.quadratic import cpu as cpu_kernels
+
+    calls = spy_fast_path(hybrid, "_fused_exact")
+    inner = make_inner(kind, 6, 3, 64, dtype=torch.float32)
+    m = ExactHeadsKernel(inner, [0, 2], kv_dtype=torch.bfloat16, product_dtype=torch.bfloat16)
+    fp32 = ExactHeadsKernel(inner, [0, 2], kv_dtype=torch.bfloat16)
+    q, k, v = (x.float() for x in make_qkv(1, 6, 3, 300, 64))
+    with torch.no_grad():
+        o, _ = m(q, k, v)
+        with cpu_kernels.disabled():
+            o_torch, _ = m(q, k, v)
+        head, st = m(q[:, :, :170], k[:, :, :170], v[:, :, :170], output_final_state=True)
+        tail, _ = m(q[:, :, 170:], k[:, :, 170:], v[:, :, 170:], initial_state=st)
+        o_fp32, _ = fp32(q, k, v)
+    if cpu_kernels.load("window") is not None:  # the no-grad calls reached the fused kernel, the disabled one not
+        assert calls == [True, False, True, True, True]
+    qg = q.clone().requires_grad_()
+    o_grad, _ = m(qg, k, v)
+    o_grad.sum().backward()
+    assert qg.grad is not None and bool(torch.isfinite(qg.grad).all())
+    bound = 2**-8 * float(v.abs().max())
+    exact_q, kernel_q = group_q([0, 2], 2), group_q([1], 2)
+    for other in (o_torch, torch.cat([head, tail], 2), o_grad.detach()):
+        assert float((other[:, exact_q] - o[:, exact_q]).abs().max()) <= bound
+    torch.testing.assert_close(o[:, kernel_q], o_fp32[:, kernel_q], atol=1e-6, rtol=1e-5)
+    assert float((o[:, exact_q] - o_fp32[:, exact_q]).abs().max()) > 1e-5
+    cfg = kernel_config(m)
+    assert cfg["product_dtype"] == "bfloat16" and "product_dtype" not in kernel_config(fp32)
+    back = kernel_from_config(cfg)
+    assert back.product_dtype == torch.bfloat16 and back.kv_dtype == torch.bfloat16
+    assert "product_dtype=torch.bfloat16" in repr(m)
+
+
+def test_bad_product_dtype():
+    inner = make_inner("oal", 6, 3, 8)
+    with pytest.raises(ValueError, match="product_dtype: expected None or torch.bfloat16"):
+        ExactHeadsKernel(inner, [0], kv_dtype=torch.bfloat16, product_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"product_dtype: bf16 products need .* got kv_dtype=None"):
+        ExactHeadsKernel(inner, [0], product_dtype=torch.bfloat16)
+    cfg = {**kernel_config(ExactHeadsKernel(inner, [0], kv_dtype=torch.bfloat16)), "product_dtype": "float16"}
+    with pytest.raises(ValueError, match="product_dtype expected 'bfloat16'"):
+        kernel_from_config(cfg)
+
+
+def test_bf16_products_in_a_bf16_model_are_sdpa():
+    """bf16 queries (a bf16 model): SDPA's bf16 products, within the bound of bf16_product_attention (plus the bf16
+    output's own rounding)."""
+    from oal.kernels.hybrid import bf16_product_attention
+
+    inner = make_inner("sink_window", 6, 3, 64, dtype=torch.bfloat16)
+    m = ExactHeadsKernel(inner, [0, 2], kv_dtype=torch.bfloat16, product_dtype=torch.bfloat16)
+    q, k, v = (x.bfloat16() for x in make_qkv(1, 6, 3, 200, 64))
+    with torch.no_grad():
+        o, _ = m(q, k, v)
+    exact_q = group_q([0, 2], 2)
+    ref = bf16_product_attention(q[:, exact_q].float(), k[:, [0, 2]], v[:, [0, 2]], 0, m.scale)
+    assert o.dtype == torch.bfloat16
+    bound = 2**-8 * float(v.float().abs().max()) + 2**-8 * float(ref.abs().max())
+    assert float((o[:, exact_q].float() - ref).abs().max()) <= bound

@@ -87,3 +87,63 @@ def test_exact_heads_kernel_no_grad_call_takes_it_and_equals_the_sdpa_path(spy_f
     o_ref, _ = m(q, k, v)  # autograd: SDPA
     assert calls[-1] is False
     torch.testing.assert_close(torch.cat([o1, o2], 2), o_ref.detach(), rtol=1e-5, atol=1e-5)
+
+
+def bf16_reference(q, k, v, past, scale):
+    B, E, G, N, d = q.shape
+    out = hybrid.bf16_product_attention(q.reshape(B, E * G, N, d), k, v, past, scale)
+    return out.reshape(B, E, G, N, v.shape[-1])
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("N", [1, 63, 1000])
+@pytest.mark.parametrize("past", [0, 37])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_products_match_their_reference(native, G, N, past, kv_dtype):
+    """bf16 products (AVX512_BF16's pair products where built, native; the fp32 tiles on the rounded numbers
+    otherwise): within 2^-8 · max |v| of bf16_product_attention, whose weights round at the row's maximum where the
+    kernel's round at a running one; native and emulated nearly equal (the summation order can round a weight the
+    other way)."""
+    q, k, v = inputs(2, 2, G, N, past, 64, 64, kv_dtype)
+    ext = cpu_kernel.load("window")
+    out = ext.exact_prefill(q, k, v, past, 0.125, True, native)
+    ref = bf16_reference(q, k, v, past, 0.125)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    bound = 2**-8 * float(v.float().abs().max())
+    assert float((out - ref).abs().max()) <= bound
+    other = ext.exact_prefill(q, k, v, past, 0.125, True, not native)
+    torch.testing.assert_close(out, other, rtol=0, atol=bound / 2)  # a weight rounding the other way, rarely
+    if N + past > 1:  # the rounding is real: fp32 products give other numbers
+        assert float((ext.exact_prefill(q, k, v, past, 0.125) - out).abs().max()) > 1e-5
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    B=st.integers(1, 2),
+    E=st.integers(1, 3),
+    G=st.sampled_from([1, 2, 3, 5]),
+    N=st.integers(1, 300),
+    past=st.integers(0, 140),
+    d=st.sampled_from([8, 17, 64, 128]),
+    dv=st.sampled_from([8, 9, 64]),
+    native=st.booleans(),
+)
+def test_bf16_products_any_shape(B, E, G, N, past, d, dv, native):
+    q, k, v = inputs(B, E, G, N, past, d, dv, kv_dtype=torch.bfloat16, seed=N + past)
+    out = cpu_kernel.load("window").exact_prefill(q, k, v, past, d**-0.5, True, native)
+    bound = 2**-8 * float(v.float().abs().max())
+    assert float((out - bf16_reference(q, k, v, past, d**-0.5)).abs().max()) <= bound
+
+
+def test_bf16_product_reference_rounds_queries_and_weights():
+    """The reference itself: with one key per query the weight is 1 (exact in bf16) and the output the value; over
+    many keys it is not the fp32 softmax, but within bf16 rounding of it."""
+    q, k, v = inputs(1, 1, 1, 200, 0, 64, 64, torch.bfloat16)
+    ref = bf16_reference(q, k, v, 0, 0.125)
+    torch.testing.assert_close(ref[:, :, 0, 0], v[:, :, 0].float())
+    exact = explicit(q, k, v, 0, 0.125)
+    gap = float((ref.double() - exact).abs().max())
+    assert 1e-5 < gap < 0.05
+    with pytest.raises(ValueError, match="inference-only"):
+        hybrid.bf16_product_attention(q[0].requires_grad_(), k[0], v[0], 0, 0.125)

@@ -141,12 +141,16 @@ def rank_heads(scores: torch.Tensor, layers: Iterable[int]) -> list[tuple[int, i
 
 
 def add_exact_heads(
-    model: PreTrainedModel, heads: Mapping[int, Sequence[int]], *, kv_dtype: torch.dtype | None = None
+    model: PreTrainedModel,
+    heads: Mapping[int, Sequence[int]],
+    *,
+    kv_dtype: torch.dtype | None = None,
+    product_dtype: torch.dtype | None = None,
 ) -> PreTrainedModel:
     """Keep the KV heads ``heads[layer]`` of converted layers exact: each such layer's kernel (OAL, global, or
     either with sinks + window) is wrapped in an :class:`ExactHeadsKernel` (storing the exact keys and values in
-    ``kv_dtype``, None: the model's dtype), in place; the conversion record lists them under ``exact_heads``.
-    Returns the model."""
+    ``kv_dtype``, None: the model's dtype; ``product_dtype`` bf16: their products on bf16 numbers), in place; the
+    conversion record lists them under ``exact_heads``. Returns the model."""
     from .convert import CONFIG_KEY, conversion_info
 
     info = conversion_info(model)
@@ -165,7 +169,7 @@ def add_exact_heads(
                 f"heads: layer {layer} has a {type(inner).__name__}; exact heads wrap OAL / global kernels with or "
                 "without sinks and a window"
             )
-        wrapped[layer] = ExactHeadsKernel(inner, list(kv), kv_dtype)
+        wrapped[layer] = ExactHeadsKernel(inner, list(kv), kv_dtype, product_dtype)
     for layer, kernel in wrapped.items():
         attach_kernel(model, layer, kernel)
     record = {str(layer): list(k.exact_kv_heads) for layer, k in wrapped.items()}

@@ -194,6 +194,7 @@ def decode_step(
         kernel.scale,
         oal.eps,
         sw is not None and (sw.n_sink > 0 or sw.window > 0),
+        isinstance(kernel, ExactHeadsKernel) and kernel.product_dtype is not None,
     )
     new_inner = None
     if rest and kept:
@@ -266,6 +267,7 @@ def softmax_decode_step(
         0,
         scale,
         0.0,
+        False,
         False,
     )
     return out.view(B, Hq, 1, dv)

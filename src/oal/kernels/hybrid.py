@@ -25,7 +25,7 @@ from .base import AttentionKernel, check_positions, repeat_kv
 from .oal import OALKernel, oal_attention, oal_coefficients, oal_factor
 from .sink_window import SinkWindowKernel
 
-__all__ = ["ExactHeadsKernel", "ExactHeadsState", "EXACT_HEADS"]
+__all__ = ["ExactHeadsKernel", "ExactHeadsState", "EXACT_HEADS", "bf16_product_attention"]
 
 EXACT_HEADS = "exact-heads"
 
@@ -57,7 +57,39 @@ def _check_heads(exact_kv_heads: Iterable[int], num_kv_heads: int) -> tuple[int,
     return tuple(sorted(heads))
 
 
-def _fused_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor | None:
+def bf16_product_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float, block: int = 256
+) -> torch.Tensor:
+    """The exact heads' causal softmax with bf16 products, in torch (the reference of the fused kernels, and the
+    path where they do not apply): the N new queries ``q (B, Eg, N, d)`` over ``past`` cached + N new keys ``k (B,
+    E, past + N, d)`` and values ``v`` (bf16 numbers), with ``a = bf16(scale · q)``, ``s_ij = a_i · k_j`` (exact
+    products, fp32 sums), ``p_ij = bf16(e^{s_ij - max_j s_ij})`` and ``o_i = Σ_j p_ij v_j / Σ_j p_ij``. The fused
+    kernels subtract a running maximum over blocks of keys instead of the row's, so their weights round at other
+    points: each weight within 2^-8 of this one's relative to the row's sum, the outputs within 2^-8 · max |v|.
+    Without autograd only: ``block`` queries at a time bound the score matrix."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("q, k, v: bf16_product_attention is inference-only (autograd is on for an input)")
+    B, Eg, N, _ = q.shape
+    a = (q.float() * scale).to(torch.bfloat16).float()
+    kf, vf = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
+    kf, vf = repeat_kv(kf, Eg), repeat_kv(vf, Eg)
+    out = q.new_empty(B, Eg, N, v.shape[-1], dtype=torch.float32)
+    for i0 in range(0, N, block):
+        i1 = min(N, i0 + block)
+        keys = past + i1
+        s = a[:, :, i0:i1] @ kf[:, :, :keys].mT
+        visible = (
+            torch.arange(keys, device=q.device)[None, :] <= (past + torch.arange(i0, i1, device=q.device))[:, None]
+        )
+        s = s.masked_fill(~visible, float("-inf"))
+        p = torch.exp(s - s.amax(-1, keepdim=True)).to(torch.bfloat16).float()
+        out[:, :, i0:i1] = (p @ vf[:, :, :keys]) / p.sum(-1, keepdim=True)
+    return out
+
+
+def _fused_exact(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float, bf16_products: bool = False
+) -> torch.Tensor | None:
     """``ExactHeadsKernel._exact_forward`` through the fused CPU kernel, or None where it does not apply (autograd,
     not CPU, q not fp32, keys/values not fp32 or bf16, no extension)."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype not in (torch.float32, torch.bfloat16):
@@ -69,7 +101,9 @@ def _fused_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, s
         return None
     B, Eg, N, d = q.shape
     E = k.shape[1]
-    out = ext.exact_prefill(q.reshape(B, E, Eg // E, N, d).contiguous(), k.contiguous(), v.contiguous(), past, scale)
+    out = ext.exact_prefill(
+        q.reshape(B, E, Eg // E, N, d).contiguous(), k.contiguous(), v.contiguous(), past, scale, bf16_products
+    )
     return out.view(B, Eg, N, v.shape[-1])
 
 
@@ -81,12 +115,21 @@ class ExactHeadsKernel(AttentionKernel):
     ``kv_dtype`` (``torch.bfloat16`` or None): the dtype the exact heads' keys and values are stored in, and rounded
     to before they are used, also within a prompt (None: the inputs' dtype). bf16 halves the growing part of the
     cache and what a decode step reads of it; the attention itself computes in the inputs' dtype.
+    ``product_dtype`` (``torch.bfloat16`` or None, only with ``kv_dtype=torch.bfloat16``): the exact heads' two
+    products take bf16 operands with fp32 sums: the scaled queries and the softmax weights are rounded to bf16
+    before they meet the keys and values (:func:`bf16_product_attention`), which AVX512_BF16 computes at twice the
+    fp32 rate. Under autograd (training) only the queries are rounded (straight through) and the weights stay fp32
+    (SDPA and its fused backward): outputs within 2^-8 · max |v| of the rounded weights'.
     """
 
     cpu_extensions = ("chunk", "decode", "window")  # the exact part's prompt kernel
 
     def __init__(
-        self, inner: OALKernel | SinkWindowKernel, exact_kv_heads: Iterable[int], kv_dtype: torch.dtype | None = None
+        self,
+        inner: OALKernel | SinkWindowKernel,
+        exact_kv_heads: Iterable[int],
+        kv_dtype: torch.dtype | None = None,
+        product_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(inner, (OALKernel, SinkWindowKernel)):
             raise ValueError(
@@ -94,10 +137,18 @@ class ExactHeadsKernel(AttentionKernel):
             )
         if kv_dtype not in (None, torch.bfloat16):
             raise ValueError(f"kv_dtype: expected None or torch.bfloat16, got {kv_dtype!r}")
+        if product_dtype not in (None, torch.bfloat16):
+            raise ValueError(f"product_dtype: expected None or torch.bfloat16, got {product_dtype!r}")
+        if product_dtype is not None and kv_dtype != torch.bfloat16:
+            raise ValueError(
+                f"product_dtype: bf16 products need the keys and values stored in bf16 (kv_dtype=torch.bfloat16), "
+                f"got kv_dtype={kv_dtype!r}"
+            )
         super().__init__(inner.num_heads, inner.num_kv_heads, inner.head_dim)
         self.inner = inner
         self.exact_kv_heads = _check_heads(exact_kv_heads, inner.num_kv_heads)
         self.kv_dtype = kv_dtype
+        self.product_dtype = product_dtype
         self.name = f"{inner.name}+exact"
         g = self.num_heads // self.num_kv_heads
         rest = [h for h in range(self.num_kv_heads) if h not in self.exact_kv_heads]
@@ -107,6 +158,8 @@ class ExactHeadsKernel(AttentionKernel):
 
     def extra_repr(self) -> str:
         kv = "" if self.kv_dtype is None else f", kv_dtype={self.kv_dtype}"
+        if self.product_dtype is not None:
+            kv += f", product_dtype={self.product_dtype}"
         return f"name={self.name!r}, exact_kv_heads={list(self.exact_kv_heads)}{kv}"
 
     @property
@@ -123,7 +176,10 @@ class ExactHeadsKernel(AttentionKernel):
         qs = q[:, self._exact_q][:, :, positions].to(w.dtype)
         ke = k[:, list(self.exact_kv_heads)].to(self.kv_dtype or k.dtype)
         ke = repeat_kv(ke.to(w.dtype), len(self._exact_q))
-        logits = (qs @ ke.mT) * self.scale
+        if self.product_dtype is None:
+            logits = (qs @ ke.mT) * self.scale
+        else:  # the scaled queries rounded as the products take them
+            logits = (qs * self.scale).to(self.product_dtype).to(w.dtype) @ ke.mT
         logits = logits.masked_fill(~self.causal_mask(positions, k.shape[2]), float("-inf"))
         exact = torch.exp(logits - logits.amax(-1, keepdim=True))
         idx = torch.tensor(self._exact_q, device=w.device)
@@ -175,18 +231,29 @@ class ExactHeadsKernel(AttentionKernel):
         """Causal softmax of the N new queries ``q (B, Eg, N, d)`` over ``past`` cached + N new keys ``k (B, E,
         past + N, d)``, ``v`` (stored dtype: fp32, or bf16 with ``kv_dtype``). Without autograd on CPU fp32 it is
         one fused call (``window.cpp``'s ``exact_prefill``: flash-style, each key read once for a KV head's query
-        heads); otherwise SDPA on the keys and values cast to q's dtype."""
-        fused = _fused_exact(q, k, v, past, self.scale)
+        heads); otherwise SDPA on the keys and values cast to q's dtype. With bf16 products: the fused call, else
+        :func:`bf16_product_attention` without autograd, SDPA on the rounded scaled queries with it, and for bf16
+        queries (a bf16 model) SDPA as it is (its bf16 products are these, within the same bound)."""
+        bf16_products = self.product_dtype is not None
+        fused = _fused_exact(q, k, v, past, self.scale, bf16_products)
         if fused is not None:
             return fused
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if bf16_products and not grad and q.dtype != torch.bfloat16:
+            return bf16_product_attention(q, k, v, past, self.scale).to(q.dtype)
+        scale = self.scale
+        # a bf16 model: SDPA's bf16 products are these (bf16 queries, weights rounded for the second product)
+        if bf16_products and q.dtype != torch.bfloat16:  # training: the rounded scaled queries, straight through
+            a = q * scale
+            q, scale = a + (a.to(torch.bfloat16).to(a.dtype) - a).detach(), 1.0
         k, v = k.to(q.dtype), v.to(q.dtype)
         n = q.shape[2]
         gqa = q.shape[1] != k.shape[1]
         if past == 0 or n == 1:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=past == 0, scale=self.scale, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=past == 0, scale=scale, enable_gqa=gqa)
         keys = torch.arange(past + n, device=q.device)
         mask = keys[None, :] <= (past + torch.arange(n, device=q.device))[:, None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
     def forward(
         self,

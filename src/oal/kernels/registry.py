@@ -101,6 +101,8 @@ def kernel_config(kernel: AttentionKernel) -> dict[str, Any]:
         cfg = {"name": EXACT_HEADS, "exact_kv_heads": list(kernel.exact_kv_heads), "inner": kernel_config(kernel.inner)}
         if kernel.kv_dtype is not None:  # only when set: configs written before the option stay as they were
             cfg["kv_dtype"] = str(kernel.kv_dtype).removeprefix("torch.")
+        if kernel.product_dtype is not None:
+            cfg["product_dtype"] = str(kernel.product_dtype).removeprefix("torch.")
         return cfg
     if isinstance(kernel, SinkWindowKernel):
         inner = kernel_config(kernel.inner)
@@ -128,17 +130,18 @@ def kernel_from_config(config: dict[str, Any]) -> AttentionKernel:
     cfg = dict(config)
     name = cfg.pop("name")
     if name == EXACT_HEADS:
-        if sorted(set(cfg) - {"kv_dtype"}) != ["exact_kv_heads", "inner"]:
+        if sorted(set(cfg) - {"kv_dtype", "product_dtype"}) != ["exact_kv_heads", "inner"]:
             raise ValueError(
-                f"config: expected the keys ['exact_kv_heads', 'inner'] (and optionally 'kv_dtype') for "
-                f"{EXACT_HEADS!r}, got {sorted(cfg)}"
+                f"config: expected the keys ['exact_kv_heads', 'inner'] (and optionally 'kv_dtype', "
+                f"'product_dtype') for {EXACT_HEADS!r}, got {sorted(cfg)}"
             )
-        kv = cfg.get("kv_dtype")
-        if kv not in (None, "bfloat16"):
-            raise ValueError(f"config: kv_dtype expected 'bfloat16' or absent, got {kv!r}")
-        return ExactHeadsKernel(
-            kernel_from_config(cfg["inner"]), cfg["exact_kv_heads"], None if kv is None else torch.bfloat16
-        )
+        dtypes = {}
+        for key in ("kv_dtype", "product_dtype"):
+            value = cfg.get(key)
+            if value not in (None, "bfloat16"):
+                raise ValueError(f"config: {key} expected 'bfloat16' or absent, got {value!r}")
+            dtypes[key] = None if value is None else torch.bfloat16
+        return ExactHeadsKernel(kernel_from_config(cfg["inner"]), cfg["exact_kv_heads"], **dtypes)
     if name in BASELINES:
         return BASELINES[name].from_config(config)
     missing = sorted({"num_heads", "num_kv_heads", "head_dim"} - set(cfg))

@@ -19,6 +19,10 @@
 // threads. The intra-chunk scores use the same kernel and skip the key columns that the causal mask zeroes.
 #include <torch/extension.h>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>  // tiles.h's bf16 pair product
+#endif
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 

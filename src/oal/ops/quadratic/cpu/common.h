@@ -4,6 +4,37 @@
 
 #include "simd.h"
 
+// fp32 -> bf16, rounding to nearest even (the rounding torch's .to(torch.bfloat16) does; inputs are finite)
+inline uint16_t to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// x rounded to the nearest bf16 number, as fp32
+inline float round_bf16(float x) {
+  const uint32_t bits = static_cast<uint32_t>(to_bf16(x)) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// x[0:n] rounded to bf16 in place (bf16 products: the softmax weights), returning their sum
+inline float round_bf16_sum(float* x, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof(bits));
+    bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    std::memcpy(x + i, &bits, sizeof(bits));
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    s += f;
+  }
+  return s;
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)  // without it the float reduction stays scalar (strict FP ordering)

@@ -170,7 +170,7 @@ void kernel_rows(const KernelHeadArgs& a, bool enter, const RowTable& rows, int6
 
 template <typename T>
 void exact_part_of_head(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t G,
-                        int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale);
+                        int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale, bool round_weights = false);
 
 // The output of a kernel head's G query heads from acc (G, dv1): the kernel part's numerator and denominator over
 // `count` keys, and (sp / wp not null) the softmax parts of the sinks and the window (each M (G,), total (G,),
@@ -247,35 +247,30 @@ inline const float* row_f32(const uint16_t* x, int64_t n, float* buf) {
   return buf;
 }
 
-// fp32 -> bf16, rounding to nearest even (the rounding torch's .to(torch.bfloat16) does; inputs are finite)
-inline uint16_t to_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 // one split-K part of an exact head's softmax: the G queries over keys [j0, j1) (the new key already written at
 // slot t), keys and values stored as T (fp32, or bf16 as uint16). Writes per query g the part's max M[g],
 // Σ e^{s-M} total[g] and Σ e^{s-M} v into out (G, dv). Any shape; exact_part_fast below for the usual ones.
-// logit (G, n) -> e^{logit - M} per row in place, with each row's max M[g] and Σ total[g]
-inline void exp_rows(float* logit, int64_t G, int64_t n, float* M, float* total) {
+// logit (G, n) -> e^{logit - M} per row in place, with each row's max M[g] and Σ total[g]; round_weights (bf16
+// products): the weights rounded to bf16 and total their sum
+inline void exp_rows(float* logit, int64_t G, int64_t n, float* M, float* total, bool round_weights) {
   for (int64_t g = 0; g < G; ++g) {
     float* lg = logit + g * n;
     M[g] = max_of(lg, n);
     total[g] = exp_shifted(lg, n, M[g]);
+    if (round_weights) total[g] = round_bf16_sum(lg, n);
   }
 }
 
 template <typename T>
 void exact_part_any(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t G,
-                    int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale) {
+                    int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale, bool round_weights) {
   const int64_t n = j1 - j0;
   std::vector<float> logit(G * n), buf(std::max(d, dv));
   for (int64_t j = 0; j < n; ++j) {
     const float* kj = row_f32(K + (j0 + j) * d, d, buf.data());
     for (int64_t g = 0; g < G; ++g) logit[g * n + j] = dot(q + g * d, kj, d) * scale;
   }
-  exp_rows(logit.data(), G, n, M, total);
+  exp_rows(logit.data(), G, n, M, total, round_weights);
   std::fill(out, out + G * dv, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const float* vj = row_f32(V + (j0 + j) * dv, dv, buf.data());
@@ -323,7 +318,7 @@ inline v16 sum_lanes16(const v16* a) {  // the same tree on 8-lane halves, after
 // and stored per key), not by the bytes they read.
 template <typename T, int G, int ND, int NV>
 void exact_part_fast(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t j0,
-                     int64_t j1, float scale) {
+                     int64_t j1, float scale, bool round_weights) {
   constexpr int64_t d = 16 * ND, dv = 16 * NV;
   const int64_t n = j1 - j0;
   std::vector<float> logit(G * n);
@@ -360,7 +355,7 @@ void exact_part_fast(const float* q, const T* K, const T* V, float* M, float* to
     for (int g = 0; g < G; ++g) {
       logit[g * n + j] = sum16(products(g, K + (j0 + j) * d)) * scale;
     }
-  exp_rows(logit.data(), G, n, M, total);
+  exp_rows(logit.data(), G, n, M, total, round_weights);
   v16 o[G][NV];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NV; ++c) o[g][c] = v16{};
@@ -401,12 +396,12 @@ bool fast_shape(int64_t G, int64_t d, int64_t dv, const F& fn) {
 // one split-K part of an exact head (see exact_part_any): the fast kernel for G ≤ 4 and d = dv ∈ {32, 64, 128}
 template <typename T>
 void exact_part_of_head(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t G,
-                        int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale) {
+                        int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale, bool round_weights) {
   const bool done = fast_shape(G, d, dv, [&](auto g, auto nd) {
     exact_part_fast<T, decltype(g)::value, decltype(nd)::value, decltype(nd)::value>(q, K, V, M, total, out, j0, j1,
-                                                                                   scale);
+                                                                                   scale, round_weights);
   });
-  if (!done) exact_part_any(q, K, V, M, total, out, G, d, dv, j0, j1, scale);
+  if (!done) exact_part_any(q, K, V, M, total, out, G, d, dv, j0, j1, scale, round_weights);
 }
 
 // Kernel heads that keep their keys and values instead of the state (below the memory crossover; the kept form of
@@ -535,7 +530,8 @@ void combine_exact_parts(const float* parts, int64_t P, int64_t G, int64_t dv, f
 
 // q (B, Hq, d), k (B, Hkv, d), v (B, Hkv, dv), out (B, Hq, dv) written.
 // exact_heads (E,) int64 with ex_k (B, E, cap, d), ex_v (B, E, cap, dv) in fp32 or bf16, cap > t (slot t is
-// written).
+// written); ex_bf16_products (ExactHeadsKernel product_dtype, with bf16 keys and values): the exact heads' scaled
+// queries and weights rounded to bf16 before their products.
 // kern_heads (K,) int64, and either (kept false) the state S (B, K, D, dv+1), wq (K·G, D), beta (K·G,),
 // sink_k/v (B, K, n_sink, ·), win_k/v (B, K, w, ·), or (kept true) the heads' keys and values kept_k
 // (B, K, capk, d), kept_v (B, K, capk, dv) fp32 or bf16 with capk > t (slot t is written), the factor fw (K·G, R, d),
@@ -545,7 +541,7 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                  Tensor& ex_k, Tensor& ex_v, const Tensor& kern_heads, Tensor& S, const Tensor& wq,
                  const Tensor& beta, Tensor& sink_k, Tensor& sink_v, Tensor& win_k, Tensor& win_v, Tensor& kept_k,
                  Tensor& kept_v, const Tensor& fw, const Tensor& fc, const Tensor& fc0, bool kept, int64_t t,
-                 int64_t n_sink, int64_t w, double scale, double floor, bool exact_part) {
+                 int64_t n_sink, int64_t w, double scale, double floor, bool exact_part, bool ex_bf16_products) {
   check_f32(q, "q", 3);
   check_f32(k, "k", 3);
   check_f32(v, "v", 3);
@@ -635,6 +631,8 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
         }
       }
   }
+  TORCH_CHECK(!ex_bf16_products || !E || ex_bf16, "ex_bf16_products: expected the exact heads' keys and values in "
+              "bfloat16, got ", ex_k.scalar_type());
   const int64_t P = (t + 1 + EXACT_BLOCK - 1) / EXACT_BLOCK;  // split-K parts per exact head
   const int64_t part_size = G * (dv + 2);
   std::vector<float> parts(B * E * P * part_size);
@@ -685,9 +683,15 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
         const int64_t x = task - n_kern - n_kx, part = x % P, bi = x / P, b = bi / E, i = bi % E, h = eh[i];
         float* slot = parts.data() + x * part_size;
         const int64_t j0 = part * EXACT_BLOCK, j1 = std::min(t + 1, j0 + EXACT_BLOCK);
+        const float* qh = qp + (b * Hq + h * G) * d;
+        std::vector<float> qr;  // bf16 products: the scaled queries rounded to bf16, the scale applied
+        if (ex_bf16_products) {
+          qr.resize(G * d);
+          for (int64_t c = 0; c < G * d; ++c) qr[c] = round_bf16(float(scale) * qh[c]);
+        }
         auto part_of = [&](const auto* Ks, const auto* Vs) {
-          exact_part_of_head(qp + (b * Hq + h * G) * d, Ks + bi * cap * d, Vs + bi * cap * dv, slot, slot + G,
-                             slot + 2 * G, G, d, dv, j0, j1, float(scale));
+          exact_part_of_head(ex_bf16_products ? qr.data() : qh, Ks + bi * cap * d, Vs + bi * cap * dv, slot, slot + G,
+                             slot + 2 * G, G, d, dv, j0, j1, ex_bf16_products ? 1.f : float(scale), ex_bf16_products);
         };
         if (ex_bf16) {
           part_of(ekb, evb);

@@ -13,6 +13,10 @@
 // two GEMMs are ATen's and everything between them is one pass over the block, in cache.
 #include <torch/extension.h>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>  // tiles.h's bf16 pair product
+#endif
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -262,37 +266,49 @@ inline float widen(T x) {
   }
 }
 
-template <typename T>
-void exact_block(const float* q, const T* K, const T* V, float* out, int64_t G, int64_t N, int64_t d, int64_t dv,
-                 int64_t t0, int64_t i_lo, float scale, std::vector<float>& work) {
+// The keys and values of one KV head as exact_block reads them, packed once for all its query blocks (widened
+// from bf16; ROUND: rounded to bf16): keys in (d, 16) panels of 16 keys, panel p at Kp + p·d·16 (the last
+// panel's missing keys zero); values per block of EXACT_K keys in (EXACT_K, 16) panels of 16 columns, column
+// panel c of block b at Vp + (b·panels_d + c)·EXACT_K·16.
+template <typename T, bool ROUND>
+void pack_f32(const T* K, const T* V, int64_t keys, int64_t d, int64_t dv, float* Kp, float* Vp) {
+  const int64_t panels_d = (dv + kTile - 1) / kTile, nblk = (keys + EXACT_K - 1) / EXACT_K;
+  const auto operand = [](T x) { return ROUND ? round_bf16(widen(x)) : widen(x); };
+  std::fill(Kp, Kp + nblk * EXACT_K * d, 0.f);
+  std::fill(Vp, Vp + nblk * panels_d * EXACT_K * kTile, 0.f);
+  for (int64_t j = 0; j < keys; ++j) {
+    const T* kj = K + j * d;
+    float* kd = Kp + (j / kTile) * d * kTile + j % kTile;
+    for (int64_t c = 0; c < d; ++c) kd[c * kTile] = operand(kj[c]);
+    const T* vj = V + j * dv;
+    float* vd = Vp + (j / EXACT_K) * panels_d * EXACT_K * kTile + (j % EXACT_K) * kTile;
+    for (int64_t c = 0; c < dv; ++c) vd[(c / kTile) * EXACT_K * kTile + c % kTile] = operand(vj[c]);
+  }
+}
+
+// One KV head's block of EXACT_Q queries over the keys packed by pack_f32. ROUND (bf16 products, on a core
+// without AVX512_BF16; exact_block_bf16 is the native form): the scaled queries and the weights e^{s - m} rounded
+// to bf16 too (the keys and values were in packing), so that the fp32 tiles compute the products exactly (a
+// product of two bf16 numbers is an fp32 number); l sums the rounded weights.
+template <bool ROUND = false>
+void exact_block(const float* q, const float* Kp, const float* Vp, float* out, int64_t G, int64_t N, int64_t d,
+                 int64_t dv, int64_t t0, int64_t i_lo, float scale, std::vector<float>& work) {
+  const auto operand = [](float x) { return ROUND ? round_bf16(x) : x; };
   const int64_t i_hi = std::min(N, i_lo + EXACT_Q), nq = i_hi - i_lo, rows = G * nq;
   const int64_t panels_d = (dv + kTile - 1) / kTile, dvp = panels_d * kTile, keys = t0 + i_hi;
-  work.resize(rows * d + EXACT_K * d + EXACT_K * dvp + rows * EXACT_K + rows * dvp + 2 * rows);
-  float *Q = work.data(), *Kp = Q + rows * d, *Vp = Kp + EXACT_K * d, *S = Vp + EXACT_K * dvp, *acc = S + rows * EXACT_K;
-  float *m = acc + rows * dvp, *l = m + rows;
+  work.resize(rows * d + rows * EXACT_K + rows * dvp + 2 * rows);
+  float *Q = work.data(), *S = Q + rows * d, *acc = S + rows * EXACT_K, *m = acc + rows * dvp, *l = m + rows;
   for (int64_t g = 0; g < G; ++g)  // rows in (g, i) order, scaled once
     for (int64_t x = 0; x < nq; ++x)
-      for (int64_t c = 0; c < d; ++c) Q[(g * nq + x) * d + c] = scale * q[(g * N + i_lo + x) * d + c];
+      for (int64_t c = 0; c < d; ++c) Q[(g * nq + x) * d + c] = operand(scale * q[(g * N + i_lo + x) * d + c]);
   std::fill(acc, acc + rows * dvp, 0.f);
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
   std::fill(l, l + rows, 0.f);
   for (int64_t j0 = 0; j0 < keys; j0 += EXACT_K) {
     const int64_t nk = std::min(EXACT_K, keys - j0), panels_k = (nk + kTile - 1) / kTile;
-    // keys as (d, 16) panels, values as (nk, 16) panels; the last panel's missing keys are zero (masked below)
-    std::fill(Kp, Kp + panels_k * d * kTile, 0.f);
-    for (int64_t j = 0; j < nk; ++j) {
-      const T* kj = K + (j0 + j) * d;
-      float* kd = Kp + (j / kTile) * d * kTile + j % kTile;
-      for (int64_t c = 0; c < d; ++c) kd[c * kTile] = widen(kj[c]);
-    }
-    std::fill(Vp, Vp + panels_d * nk * kTile, 0.f);
-    for (int64_t j = 0; j < nk; ++j) {
-      const T* vj = V + (j0 + j) * dv;
-      for (int64_t c = 0; c < dv; ++c) Vp[(c / kTile) * nk * kTile + j * kTile + c % kTile] = widen(vj[c]);
-    }
     for (int64_t r = 0; r < rows; r += kRows)
-      tile_rows(std::min(kRows, rows - r), Q + r * d, d, Kp, d * kTile, d, S + r * EXACT_K, kTile, EXACT_K, panels_k,
-                false);
+      tile_rows(std::min(kRows, rows - r), Q + r * d, d, Kp + j0 * d, d * kTile, d, S + r * EXACT_K, kTile, EXACT_K,
+                panels_k, false);
     // the causal mask (query t0 + i sees keys ≤ t0 + i), the running maximum and sum, the rescaled accumulator
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = S + r * EXACT_K;
@@ -304,14 +320,17 @@ void exact_block(const float* q, const T* K, const T* V, float* out, int64_t G, 
         continue;
       }
       const float alpha = exp_nonpos(m[r] - mr);
-      l[r] = l[r] * alpha + exp_shifted(sr, panels_k * kTile, mr);
+      float sum = exp_shifted(sr, panels_k * kTile, mr);
+      if constexpr (ROUND) sum = round_bf16_sum(sr, panels_k * kTile);
+      l[r] = l[r] * alpha + sum;
       m[r] = mr;
       if (alpha != 1.f)
         for (int64_t c = 0; c < dvp; ++c) acc[r * dvp + c] *= alpha;
     }
+    const float* Vb = Vp + (j0 / EXACT_K) * panels_d * EXACT_K * kTile;  // this block's value panels
     for (int64_t r = 0; r < rows; r += kRows)
-      tile_rows(std::min(kRows, rows - r), S + r * EXACT_K, EXACT_K, Vp, nk * kTile, nk, acc + r * dvp, kTile, dvp,
-                panels_d);
+      tile_rows(std::min(kRows, rows - r), S + r * EXACT_K, EXACT_K, Vb, EXACT_K * kTile, nk, acc + r * dvp, kTile,
+                dvp, panels_d);
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t x = 0; x < nq; ++x) {
@@ -322,9 +341,111 @@ void exact_block(const float* q, const T* K, const T* V, float* out, int64_t G, 
     }
 }
 
+#if defined(__AVX512BF16__)
+// The keys and values of one KV head as exact_block_bf16 reads them, packed once for all its query blocks: keys
+// in pair panels of 16 keys (d padded to dp, even, with zeros; the last panel's missing keys zero), panel p at
+// Kp + p·dp·16; values per block of EXACT_K keys in pair panels of 16 columns, column panel c of block b at
+// Vp + (b·panels_d + c)·EXACT_K·16, the pairs over the block's keys (missing keys zero).
+template <typename T>
+void pack_bf16(const T* K, const T* V, int64_t keys, int64_t d, int64_t dv, uint16_t* Kp, uint16_t* Vp) {
+  const int64_t dp = (d + 1) / 2 * 2, panels_d = (dv + kTile - 1) / kTile, nblk = (keys + EXACT_K - 1) / EXACT_K;
+  const auto bits = [](T x) -> uint16_t {
+    if constexpr (std::is_same_v<T, float>) {
+      return to_bf16(x);
+    } else {
+      return x;
+    }
+  };
+  std::fill(Kp, Kp + nblk * EXACT_K * dp, uint16_t(0));
+  std::fill(Vp, Vp + nblk * panels_d * EXACT_K * kTile, uint16_t(0));
+  for (int64_t j = 0; j < keys; ++j) {
+    const T* kj = K + j * d;
+    uint16_t* kd = Kp + (j / kTile) * dp * kTile + (j % kTile) * 2;
+    for (int64_t c = 0; c < d; ++c) kd[(c / 2) * 2 * kTile + c % 2] = bits(kj[c]);
+    const T* vj = V + j * dv;
+    uint16_t* vd = Vp + (j / EXACT_K) * panels_d * EXACT_K * kTile + ((j % EXACT_K) / 2) * 2 * kTile + j % 2;
+    for (int64_t c = 0; c < dv; ++c) vd[(c / kTile) * EXACT_K * kTile + (c % kTile) * 2] = bits(vj[c]);
+  }
+}
+
+// x[0:n] (n a multiple of 16, every x ≤ m or -inf) -> p[0:n] = bf16(e^{x - m}), returning Σ p (the rounded
+// weights, so that the output is their normalised combination)
+inline float exp_rounded_bf16(const float* x, int64_t n, float m, uint16_t* p) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const v16 e = exp_nonpos16(load16(x + j) - m);
+    __m512 ev;
+    std::memcpy(&ev, &e, sizeof(ev));
+    const __m256bh b = _mm512_cvtneps_pbh(ev);
+    std::memcpy(p + j, &b, sizeof(b));
+    acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)b), 16)));
+  }
+  v16 a;
+  std::memcpy(&a, &acc, sizeof(a));
+  return sum16(a);
+}
+
+// exact_block<T, true> on AVX512_BF16's pair products (tile_rows_bf16), the keys and values packed by pack_bf16:
+// the scaled queries (G·nq, dp) and the weights (G·nq, EXACT_K) as bf16 rows. The same numbers as
+// exact_block<T, true> up to the summation order.
+void exact_block_bf16(const float* q, const uint16_t* Kp, const uint16_t* Vp, float* out, int64_t G, int64_t N,
+                      int64_t d, int64_t dv, int64_t t0, int64_t i_lo, float scale, std::vector<float>& work,
+                      std::vector<uint16_t>& bwork) {
+  const int64_t i_hi = std::min(N, i_lo + EXACT_Q), nq = i_hi - i_lo, rows = G * nq;
+  const int64_t panels_d = (dv + kTile - 1) / kTile, dvp = panels_d * kTile, keys = t0 + i_hi, dp = (d + 1) / 2 * 2;
+  work.resize(rows * EXACT_K + rows * dvp + 2 * rows);
+  float *S = work.data(), *acc = S + rows * EXACT_K, *m = acc + rows * dvp, *l = m + rows;
+  bwork.resize(rows * dp + rows * EXACT_K);
+  uint16_t *Q = bwork.data(), *P = Q + rows * dp;
+  std::fill(Q, Q + rows * dp, uint16_t(0));
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t x = 0; x < nq; ++x)
+      for (int64_t c = 0; c < d; ++c) Q[(g * nq + x) * dp + c] = to_bf16(scale * q[(g * N + i_lo + x) * d + c]);
+  std::fill(acc, acc + rows * dvp, 0.f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.f);
+  for (int64_t j0 = 0; j0 < keys; j0 += EXACT_K) {
+    const int64_t nk = std::min(EXACT_K, keys - j0), panels_k = (nk + kTile - 1) / kTile, nkp = panels_k * kTile;
+    for (int64_t r = 0; r < rows; r += kRows)
+      tile_rows_bf16(std::min(kRows, rows - r), Q + r * dp, dp, Kp + j0 * dp, dp * kTile, dp / 2, S + r * EXACT_K,
+                     kTile, EXACT_K, panels_k, false);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = S + r * EXACT_K;
+      uint16_t* pr = P + r * EXACT_K;
+      const int64_t visible = std::clamp<int64_t>(t0 + i_lo + r % nq + 1 - j0, 0, nk);
+      const float mr = std::max(m[r], max_of(sr, visible));
+      if (mr == -std::numeric_limits<float>::infinity()) {
+        std::fill(pr, pr + nkp, uint16_t(0));
+        continue;
+      }
+      for (int64_t j = visible; j < nkp; ++j) sr[j] = -std::numeric_limits<float>::infinity();
+      const float alpha = exp_nonpos(m[r] - mr);
+      l[r] = l[r] * alpha + exp_rounded_bf16(sr, nkp, mr, pr);
+      m[r] = mr;
+      if (alpha != 1.f)
+        for (int64_t c = 0; c < dvp; ++c) acc[r * dvp + c] *= alpha;
+    }
+    const uint16_t* Vb = Vp + (j0 / EXACT_K) * panels_d * EXACT_K * kTile;  // this block's value panels
+    for (int64_t r = 0; r < rows; r += kRows)
+      tile_rows_bf16(std::min(kRows, rows - r), P + r * EXACT_K, EXACT_K, Vb, EXACT_K * kTile, nkp / 2, acc + r * dvp,
+                     kTile, dvp, panels_d, true);
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t x = 0; x < nq; ++x) {
+      const int64_t r = g * nq + x;
+      const float inv = 1.f / l[r];
+      float* o = out + (g * N + i_lo + x) * dv;
+      for (int64_t c = 0; c < dv; ++c) o[c] = acc[r * dvp + c] * inv;
+    }
+}
+#endif
+
 // q (B, Hkv, G, N, d) fp32: the new queries of each KV head's query heads; k (B, Hkv, t0 + N, d), v (…, dv) fp32 or
 // bf16: the keys and values of the t0 cached and the N new tokens. Returns out (B, Hkv, G, N, dv) fp32.
-Tensor exact_prefill(const Tensor& q, const Tensor& k, const Tensor& v, int64_t t0, double scale) {
+// bf16_products: the products on bf16 numbers (exact_block<T, true>), with AVX512_BF16's pair products where the
+// build has them and native is true (native false: the fp32 tiles on the rounded numbers, for the tests).
+Tensor exact_prefill(const Tensor& q, const Tensor& k, const Tensor& v, int64_t t0, double scale, bool bf16_products,
+                     bool native) {
   check_f32(q, "q", 5);
   const bool bf16 = k.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16 || k.scalar_type() == at::kFloat) && v.scalar_type() == k.scalar_type() && k.is_contiguous() &&
@@ -338,22 +459,55 @@ Tensor exact_prefill(const Tensor& q, const Tensor& k, const Tensor& v, int64_t 
   const int64_t nblk = (N + EXACT_Q - 1) / EXACT_Q, tasks = B * Hkv * nblk;
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const bool use_native = bf16_products && native && kNativeBf16;
   // a contiguous range of tasks per thread: order the blocks 0, n-1, 1, n-2, … so that every range holds early
   // (cheap) and late (expensive) causal blocks alike
   auto block_of = [&](int64_t x) { return x % 2 ? nblk - 1 - x / 2 : x / 2; };
+  // keys and values packed once per KV head (all heads first: the query blocks of a head run on both threads)
+  const int64_t keys = t0 + N, kblk = (keys + EXACT_K - 1) / EXACT_K, panels_d = (dv + kTile - 1) / kTile;
+  const int64_t dp = use_native ? (d + 1) / 2 * 2 : d, vstride = kblk * panels_d * EXACT_K * kTile;
+  const int64_t kstride = kblk * EXACT_K * dp;
+  std::vector<float> Kf(use_native ? 0 : B * Hkv * kstride), Vf(use_native ? 0 : B * Hkv * vstride);
+  std::vector<uint16_t> Kb(use_native ? B * Hkv * kstride : 0), Vb(use_native ? B * Hkv * vstride : 0);
+  auto pack = [&](const auto* K, const auto* V, int64_t bh) {
+    K += bh * keys * d;
+    V += bh * keys * dv;
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(K)>>;
+#if defined(__AVX512BF16__)
+    if (use_native) return pack_bf16(K, V, keys, d, dv, Kb.data() + bh * kstride, Vb.data() + bh * vstride);
+#endif
+    if (bf16_products) return pack_f32<T, true>(K, V, keys, d, dv, Kf.data() + bh * kstride, Vf.data() + bh * vstride);
+    pack_f32<T, false>(K, V, keys, d, dv, Kf.data() + bh * kstride, Vf.data() + bh * vstride);
+  };
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      if (bf16) {
+        pack(reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
+             reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), bh);
+      } else {
+        pack(k.data_ptr<float>(), v.data_ptr<float>(), bh);
+      }
+    }
+  });
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work;
+    std::vector<uint16_t> bwork;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nblk, i_lo = block_of(task % nblk) * EXACT_Q;
       const float* qh = qp + bh * G * N * d;
       float* oh = op + bh * G * N * dv;
-      if (bf16) {
-        const auto* kb = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()) + bh * (t0 + N) * d;
-        const auto* vb = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()) + bh * (t0 + N) * dv;
-        exact_block(qh, kb, vb, oh, G, N, d, dv, t0, i_lo, float(scale), work);
+#if defined(__AVX512BF16__)
+      if (use_native) {
+        exact_block_bf16(qh, Kb.data() + bh * kstride, Vb.data() + bh * vstride, oh, G, N, d, dv, t0, i_lo,
+                         float(scale), work, bwork);
+        continue;
+      }
+#endif
+      const float *Kh = Kf.data() + bh * kstride, *Vh = Vf.data() + bh * vstride;
+      if (bf16_products) {
+        exact_block<true>(qh, Kh, Vh, oh, G, N, d, dv, t0, i_lo, float(scale), work);
       } else {
-        exact_block(qh, k.data_ptr<float>() + bh * (t0 + N) * d, v.data_ptr<float>() + bh * (t0 + N) * dv, oh, G, N,
-                    d, dv, t0, i_lo, float(scale), work);
+        exact_block<false>(qh, Kh, Vh, oh, G, N, d, dv, t0, i_lo, float(scale), work);
       }
     }
   });
@@ -365,5 +519,7 @@ Tensor exact_prefill(const Tensor& q, const Tensor& k, const Tensor& v, int64_t 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("window_combine", &window_combine, "Fused CPU exact part of the sink/window operator (one segment)");
   m.def("window_backward", &window_backward, "Gradients of window_combine");
-  m.def("exact_prefill", &exact_prefill, "Exact causal softmax of a prompt's queries (flash-style, GQA-shared keys)");
+  m.def("exact_prefill", &exact_prefill, "Exact causal softmax of a prompt's queries (flash-style, GQA-shared keys)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("t0"), py::arg("scale"), py::arg("bf16_products") = false,
+        py::arg("native") = true);
 }
