@@ -273,3 +273,30 @@ def test_preload_names_known_extensions():
 
     with pytest.raises(ValueError, match="kinds"):
         cpu_kernels.preload(["chunk", "flash"])
+
+
+def test_key_validity_is_checked_once_per_mask_and_again_when_it_changes(monkeypatch):
+    """Every layer of a forward gets the same mask: it is checked once, and again when it is another tensor, was
+    modified in place, or the call's lengths differ; a bad mask still raises."""
+    from oal.models import hooks
+
+    calls = []
+    real = hooks._check_key_validity
+    monkeypatch.setattr(hooks, "_check_key_validity", lambda *args: calls.append(1) or real(*args))
+    n, past = 4, 3
+    causal = torch.arange(past + n)[None, :] <= torch.arange(past, past + n)[:, None]
+    mask = causal[None, None].clone()
+    assert hooks._key_validity("x", mask, n, past) is None
+    assert hooks._key_validity("x", mask, n, past) is None
+    assert len(calls) == 1
+    mask[0, 0, :, 0] = False  # the first token padding, in place
+    assert hooks._key_validity("x", mask, n, past).tolist() == [[False] + [True] * 6]
+    assert len(calls) == 2
+    assert hooks._key_validity("x", mask.clone(), n, past).tolist() == [[False] + [True] * 6]
+    assert len(calls) == 3
+    bad = causal[None, None].clone()
+    bad[0, 0, 0, -1] = True  # a query sees a later key
+    for _ in range(2):
+        with pytest.raises(ValueError, match="neither causal nor causal with padding"):
+            hooks._key_validity("x", bad, n, past)
+    assert len(calls) == 5

@@ -33,6 +33,7 @@ row what that sequence alone gives; packed sequences, sliding windows, softcappi
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -137,7 +138,26 @@ def _check_kernel_call(
         raise ValueError(f"{where}: kernel scale {kernel.scale} differs from the layer's scaling {scaling}")
 
 
+# the last mask _key_validity accepted and its result: every layer of a forward gets the same mask tensor, and a
+# prompt in chunks of 512 at 8k would otherwise compare 512 × 8k masks in every layer of every chunk (~0.7 s)
+_LAST_VALIDITY: list[tuple | None] = [None]
+
+
 def _key_validity(where: str, attention_mask: torch.Tensor | None, n: int, past: int) -> torch.Tensor | None:
+    """:func:`_check_key_validity`, remembered for the last mask it accepted (the same tensor object, unmodified:
+    its version counter, with the same ``n`` and ``past``)."""
+    if attention_mask is None:
+        return None
+    key = (attention_mask._version, n, past)
+    last = _LAST_VALIDITY[0]
+    if last is not None and last[0]() is attention_mask and last[1] == key:
+        return last[2]
+    valid = _check_key_validity(where, attention_mask, n, past)
+    _LAST_VALIDITY[0] = (weakref.ref(attention_mask), key, valid)
+    return valid
+
+
+def _check_key_validity(where: str, attention_mask: torch.Tensor, n: int, past: int) -> torch.Tensor | None:
     """The keys each row may use under ``attention_mask`` ``(B|1, 1|H, n, past + n)`` (bool, or additive 0/-inf):
     None for plain causal attention (or no mask), else ``valid (B, past + n)`` bool for a padding mask — causal ∧
     ``valid`` for every query whose own token is valid, the same or all masked or all unmasked (SDPA's mask builder
@@ -145,8 +165,6 @@ def _key_validity(where: str, attention_mask: torch.Tensor | None, n: int, past:
     padding).
 
     Anything else (packed sequences, sliding windows, bidirectional blocks) raises."""
-    if attention_mask is None:
-        return None
     allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
     device = allowed.device
     causal = torch.arange(past + n, device=device)[None, :] <= torch.arange(past, past + n, device=device)[:, None]
