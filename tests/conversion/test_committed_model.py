@@ -35,7 +35,10 @@ def test_it_is_the_recipe(committed):
     recipe = info["recipe"]
     assert sum(map(len, exact.values())) == recipe["exact_heads"] + recipe["error_heads"] == 48
     assert {str(i): v for i, v in exact.items()} == info["exact_heads"]
-    assert all(k.kv_dtype == torch.bfloat16 for k in kernels.values() if isinstance(k, ExactHeadsKernel))
+    assert all(
+        k.kv_dtype == k.product_dtype == torch.bfloat16 for k in kernels.values() if isinstance(k, ExactHeadsKernel)
+    )
+    assert recipe["exact_product_dtype"] == "bfloat16"
     for k in kernels.values():
         sw = k.inner if isinstance(k, ExactHeadsKernel) else k
         assert isinstance(sw, SinkWindowKernel) and (sw.n_sink, sw.window) == (4, 256)
