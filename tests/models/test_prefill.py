@@ -237,7 +237,8 @@ def test_a_prompt_releases_the_freed_heap_once_before_the_output_layer(make_mode
     model.config.oal_release_prompt_heap = True
     events = release_calls(model, monkeypatch)
     (got, *steps), _ = run(model, ids, chunk, steps=2, logits_to_keep=1)
-    assert events == ["release", "head", "head", "head"]  # the prompt's output layer, then two decode steps'
+    # before the prompt's output layer; after the first decode step (it grew the full buffers); not the second
+    assert events == ["release", "head", "head", "release", "head"]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for g, w in zip(steps, want_steps, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
@@ -289,3 +290,35 @@ def test_release_returns_freed_heap_to_the_system():
     assert prefill.release_freed_heap() is True
     assert before - resident_mb() > 25
     del blocks
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_a_decode_step_that_grew_a_cache_buffer_releases_after_it(make_model, monkeypatch, release):
+    """A decode step in which the cache replaced a buffer by a larger one (here the exact heads' and softmax
+    layers' buffers, full after the prompt, and every GROWTH tokens) returns the freed heap after its output
+    layer; the other steps do not, nor any step when the release is off, nor a call under autograd."""
+    from oal.kernels import kept as kept_form
+
+    model = model_of(make_model, "sink_window_exact_heads")
+    model.config.oal_release_prompt_heap = release
+    events = release_calls(model, monkeypatch)
+    real = kept_form.note_regrown
+    monkeypatch.setattr(kept_form, "note_regrown", lambda: events.append("grew") or real())
+    cache = KernelCache(model)
+    with torch.no_grad():
+        nxt = model(prompt(1, 20), cache=cache).logits[:, -1:].argmax(-1)  # below the prompt threshold
+        per_step = []
+        for _ in range(70):
+            start = len(events)
+            nxt = model(nxt, cache=cache).logits[:, -1:].argmax(-1)
+            per_step.append([e for e in events[start:] if e != "head"])
+    grew = [i for i, step in enumerate(per_step) if "grew" in step]
+    assert grew and grew[0] == 0 and len(grew) < 10  # the first step, then every GROWTH (64) tokens
+    for step in per_step:
+        assert step.count("release") == (1 if release and "grew" in step else 0)
+        if "release" in step:
+            assert step[-1] == "release"  # after the layers grew their buffers
+    with torch.enable_grad():
+        events.clear()
+        model(prompt(1, 4))
+    assert "release" not in events

@@ -45,15 +45,19 @@ __all__ = [
     "grown",
     "keep_limit",
     "needs_autograd",
+    "note_regrown",
     "prompt_end",
     "start",
+    "take_regrown",
 ]
 
 KEPT_GROWTH = 16  # spare slots added to kept keys/values when full (one copy per 16 tokens, ≤ 8 KB per head spare)
 # layer i of a model folds FOLD_SPREAD-cyclically i tokens after the limit, so that one decode step folds one
 # or two layers instead of all (a whole SmolLM2 at once: ~235 ms extra in one step at batch 1)
 FOLD_SPREAD = 32
-_FOLD_BLOCK = 512  # keys per feature block while folding: a (512, D) block, 4.4 MB for d = 64
+# keys per feature block while folding: a (128, D) block, 1.1 MB for d = 64 (512 keys' 4.4 MB was the largest
+# transient of a 1k decode at its fold step)
+_FOLD_BLOCK = 128
 # where the prompt being prefilled in chunks ends (oal.models.prefill): a chunk of a prompt that will outgrow the
 # kept form builds the state at once instead of keeping keys only to fold them a chunk later
 _PROMPT_END: ContextVar[int | None] = ContextVar("oal_prompt_end", default=None)
@@ -134,6 +138,22 @@ def _kept_heads(kernel, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# whether a cache buffer was replaced by a larger one (or kept keys folded into a state) since take_regrown():
+# the freed smaller buffers stay in malloc's heap, and oal.models.prefill returns them after the decode step
+_REGROWN = [False]
+
+
+def note_regrown() -> None:
+    """Record that a cache buffer was just replaced by a larger one (see :func:`take_regrown`)."""
+    _REGROWN[0] = True
+
+
+def take_regrown() -> bool:
+    """Whether a cache buffer was replaced since the last call (which clears it)."""
+    grew, _REGROWN[0] = _REGROWN[0], False
+    return grew
+
+
 def _buffer(x: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
     """``x (B, K, n, ·)`` copied into the first n slots of a contiguous ``dtype`` buffer of ``capacity`` slots."""
     out = x.new_empty(x.shape[0], x.shape[1], capacity, x.shape[3], dtype=dtype)
@@ -190,6 +210,7 @@ def _state_of(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def _fold_inner(inner, kept: KeptKV) -> object:
     """The state ``inner`` (an :class:`OALKernel` or :class:`SinkWindowKernel`) returns after the kept tokens."""
     n = kept.length
+    note_regrown()
     k, v = kept.k[:, :, :n], kept.v[:, :, :n]
     if not isinstance(inner, SinkWindowKernel):
         return _state_of(k, v)
@@ -263,6 +284,7 @@ def grown(kept: KeptKV, limit: int) -> KeptKV:
     if kept.k.shape[2] > kept.length and kept.k.is_contiguous() and kept.v.is_contiguous():
         return kept
     capacity = min(kept.length + 1 + KEPT_GROWTH, limit)
+    note_regrown()
     n = kept.length
     k, v = (_buffer(x[:, :, :n], capacity, x.dtype) for x in (kept.k, kept.v))
     return KeptKV(k, v, n)

@@ -25,7 +25,11 @@ layer of an inference prompt of at least :data:`RELEASE_MIN_TOKENS` tokens on CP
 operating system (glibc's ``malloc_trim(0)``: one call per prompt, 4 ms at 1k tokens; decode steps and training
 never call it; a no-op without glibc). ``config.oal_release_prompt_heap = False`` turns it off. transformers' own
 models do not do this; :func:`heap_released_before_output` applies the same to any model, e.g. as the control of a
-benchmark. Buffers the decode steps allocate afterwards take memory from the system again (docs/models.md).
+benchmark. Buffers the decode steps allocate afterwards take memory from the system again (docs/models.md); a
+decode step (any inference call below the prompt threshold) in which the cache replaced a buffer by a larger one
+(the kept keys every 16 tokens, a softmax layer's or the exact heads' keys every 64, the fold into the state)
+returns the freed smaller ones after it (one ``malloc_trim`` per such step: without it each growth kept its
+predecessor's memory resident, ~12 MB at the kept keys' first growth after a 1k prompt).
 """
 
 from __future__ import annotations
@@ -184,8 +188,19 @@ def chunked_forward(base_forward, model: PreTrainedModel, *args, **kwargs):
         return base_forward(model, **kwargs)
     if _releases(model, source):
         with heap_released_before_output(model):
-            return _forward(base_forward, model, source, kwargs)
-    return _forward(base_forward, model, source, kwargs)
+            out = _forward(base_forward, model, source, kwargs)
+        kept_form.take_regrown()  # released before the output layer
+        return out
+    out = _forward(base_forward, model, source, kwargs)
+    if kept_form.take_regrown() and _releases_after_step(model, source):
+        release_freed_heap()
+    return out
+
+
+def _releases_after_step(model: PreTrainedModel, source: torch.Tensor) -> bool:
+    """Whether an inference call on CPU whose cache replaced a buffer by a larger one returns the freed ones (the
+    smaller buffers; module docstring)."""
+    return not torch.is_grad_enabled() and source.device.type == "cpu" and releases_prompt_heap(model.config)
 
 
 def _forward(base_forward, model: PreTrainedModel, source: torch.Tensor, kwargs: dict):

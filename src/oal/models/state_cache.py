@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
+from ..kernels import kept as kept_form
 from ..kernels.decode import GROWTH
 
 __all__ = [
@@ -259,6 +260,8 @@ class ExactKVLayer(DynamicLayer):
             # a prompt into an empty cache gets no spare slots (they would raise the prefill's peak memory above
             # the original model's), the first step after it GROWTH
             spare = GROWTH if used else 0
+            if used:
+                kept_form.note_regrown()
             kbuf = key_states.new_empty(*key_states.shape[:2], used + n + spare, key_states.shape[3])
             vbuf = value_states.new_empty(*value_states.shape[:2], used + n + spare, value_states.shape[3])
             if used:
