@@ -286,6 +286,19 @@ void pack_f32(const T* K, const T* V, int64_t keys, int64_t d, int64_t dv, float
   }
 }
 
+// A block's outputs: accumulator row r = g·nq + x (dvp columns) over its normaliser l[r], into query i_lo + x of
+// query head g of out (G, N, dv).
+inline void write_normalised(const float* acc, const float* l, float* out, int64_t G, int64_t nq, int64_t N,
+                             int64_t i_lo, int64_t dv, int64_t dvp) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t x = 0; x < nq; ++x) {
+      const int64_t r = g * nq + x;
+      const float inv = 1.f / l[r];
+      float* o = out + (g * N + i_lo + x) * dv;
+      for (int64_t c = 0; c < dv; ++c) o[c] = acc[r * dvp + c] * inv;
+    }
+}
+
 // One KV head's block of EXACT_Q queries over the keys packed by pack_f32. ROUND (bf16 products, on a core
 // without AVX512_BF16; exact_block_bf16 is the native form): the scaled queries and the weights e^{s - m} rounded
 // to bf16 too (the keys and values were in packing), so that the fp32 tiles compute the products exactly (a
@@ -332,13 +345,7 @@ void exact_block(const float* q, const float* Kp, const float* Vp, float* out, i
       tile_rows(std::min(kRows, rows - r), S + r * EXACT_K, EXACT_K, Vb, EXACT_K * kTile, nk, acc + r * dvp, kTile,
                 dvp, panels_d);
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t x = 0; x < nq; ++x) {
-      const int64_t r = g * nq + x;
-      const float inv = 1.f / l[r];
-      float* o = out + (g * N + i_lo + x) * dv;
-      for (int64_t c = 0; c < dv; ++c) o[c] = acc[r * dvp + c] * inv;
-    }
+  write_normalised(acc, l, out, G, nq, N, i_lo, dv, dvp);
 }
 
 #if defined(__AVX512BF16__)
@@ -430,13 +437,7 @@ void exact_block_bf16(const float* q, const uint16_t* Kp, const uint16_t* Vp, fl
       tile_rows_bf16(std::min(kRows, rows - r), P + r * EXACT_K, EXACT_K, Vb, EXACT_K * kTile, nkp / 2, acc + r * dvp,
                      kTile, dvp, panels_d, true);
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t x = 0; x < nq; ++x) {
-      const int64_t r = g * nq + x;
-      const float inv = 1.f / l[r];
-      float* o = out + (g * N + i_lo + x) * dv;
-      for (int64_t c = 0; c < dv; ++c) o[c] = acc[r * dvp + c] * inv;
-    }
+  write_normalised(acc, l, out, G, nq, N, i_lo, dv, dvp);
 }
 #endif
 
