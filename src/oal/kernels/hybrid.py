@@ -241,9 +241,10 @@ class ExactHeadsKernel(AttentionKernel):
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         if bf16_products and not grad and q.dtype != torch.bfloat16:
             return bf16_product_attention(q, k, v, past, self.scale).to(q.dtype)
+        # below: SDPA. For bf16 queries (a bf16 model) its bf16 products are these (weights rounded for the second
+        # product); under autograd the scaled queries are rounded, straight through, the weights stay fp32
         scale = self.scale
-        # a bf16 model: SDPA's bf16 products are these (bf16 queries, weights rounded for the second product)
-        if bf16_products and q.dtype != torch.bfloat16:  # training: the rounded scaled queries, straight through
+        if bf16_products and q.dtype != torch.bfloat16:
             a = q * scale
             q, scale = a + (a.to(torch.bfloat16).to(a.dtype) - a).detach(), 1.0
         k, v = k.to(q.dtype), v.to(q.dtype)
