@@ -300,3 +300,15 @@ def test_key_validity_is_checked_once_per_mask_and_again_when_it_changes(monkeyp
         with pytest.raises(ValueError, match="neither causal nor causal with padding"):
             hooks._key_validity("x", bad, n, past)
     assert len(calls) == 5
+
+
+def test_key_validity_of_an_inference_tensor_is_checked_every_time():
+    from oal.models import hooks
+
+    n, past = 4, 3
+    with torch.inference_mode():
+        mask = (torch.arange(past + n)[None, :] <= torch.arange(past, past + n)[:, None])[None, None].clone()
+        assert hooks._key_validity("x", mask, n, past) is None
+        mask[0, 0, 0, -1] = True  # changed in place: no version counter, yet it is checked again
+        with pytest.raises(ValueError, match="neither causal nor causal with padding"):
+            hooks._key_validity("x", mask, n, past)

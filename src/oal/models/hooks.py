@@ -148,6 +148,8 @@ def _key_validity(where: str, attention_mask: torch.Tensor | None, n: int, past:
     its version counter, with the same ``n`` and ``past``)."""
     if attention_mask is None:
         return None
+    if attention_mask.is_inference():  # no version counter to tell an in-place change: checked every time
+        return _check_key_validity(where, attention_mask, n, past)
     key = (attention_mask._version, n, past)
     last = _LAST_VALIDITY[0]
     if last is not None and last[0]() is attention_mask and last[1] == key:
