@@ -79,16 +79,21 @@ inline float exp_shifted(float* x, int64_t n, float m) {
   return sum;
 }
 
-// max_j x[j] for j < n (-inf for n = 0)
+// max_j x[j] for j < n (-inf for n = 0; a NaN is passed over). With AVX-512 vmaxps and a tree reduction (the
+// includer includes <immintrin.h>): the generic form compiles to a compare and a blend per vector and 15 dependent
+// scalar maxima, once per row and key block of the prompt kernels.
 inline float max_of(const float* x, int64_t n) {
-  v16 acc = splat16(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const v16 a = load16(x + j);
-    acc = max_with(acc, a);
-  }
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; j + 16 <= n; j += 16) acc = _mm512_max_ps(_mm512_loadu_ps(x + j), acc);  // NaN lanes keep acc
+  float m = _mm512_reduce_max_ps(acc);
+#else
+  v16 acc = splat16(-std::numeric_limits<float>::infinity());
+  for (; j + 16 <= n; j += 16) acc = max_with(acc, load16(x + j));
   float m = lane(acc, 0);
   for (int l = 1; l < 16; ++l) m = std::max(m, lane(acc, l));
+#endif
   for (; j < n; ++j) m = std::max(m, x[j]);
   return m;
 }

@@ -25,6 +25,10 @@
 // Packed layout of φ: [1, x_1 … x_d, x_r x_t for r ≤ t row-major], the layout of utils.key_features.
 #include <torch/extension.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>  // common.h's row maximum
+#endif
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
