@@ -15,6 +15,7 @@ from oal.kernels import (
     kernel_config,
     kernel_from_config,
 )
+from oal.kernels.base import prompt_end
 
 
 def make_qkv(B, Hq, Hkv, N, d, dtype=torch.float64, seed=0):
@@ -79,6 +80,50 @@ def test_prefill_then_decode_equals_one_pass(kind, exact):
     torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-9, atol=1e-9)
     assert isinstance(state, ExactHeadsState) and state.offset == N
     assert state.k.shape == (1, len(exact), N, d) and state.v.shape == (1, len(exact), N, d)
+
+
+@pytest.mark.parametrize("exact", [[1], [0, 2], [0, 1, 2]])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_prompt_in_chunks_writes_its_keys_into_one_buffer(exact, dtype):
+    # within prompt_end (a prompt in chunks, its caller owning the state) the first chunk allocates the exact
+    # heads' buffers for the whole prompt and later chunks write into them: no copy of the past per chunk
+    d, N = 8, 150
+    m = ExactHeadsKernel(make_inner("sink_window", 6, 3, d, dtype), exact)
+    q, k, v = make_qkv(2, 6, 3, N, d, dtype)
+    full, _ = m(q, k, v)
+    outs, state, ptrs = [], None, set()
+    with prompt_end(N):
+        for a in range(0, N, 64):
+            b = min(N, a + 64)
+            o, state = m(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], initial_state=state, output_final_state=True)
+            outs.append(o)
+            assert state.k.shape == (2, len(exact), N, d) and state.offset == b
+            ptrs.add((state.k.data_ptr(), state.v.data_ptr()))
+    assert len(ptrs) == 1
+    torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-5, atol=1e-5)
+
+
+def test_a_call_outside_a_prompt_leaves_its_initial_state_as_it_was():
+    # the same state continued twice (two continuations of one prefix) without prompt_end: each call copies
+    d = 8
+    m = ExactHeadsKernel(make_inner("oal", 6, 3, d), [0, 2])
+    q, k, v = make_qkv(1, 6, 3, 60, d)
+    with prompt_end(100):  # a prompt's first chunk: buffers with room for 100 keys
+        _, state = m(q[:, :, :40], k[:, :, :40], v[:, :, :40], output_final_state=True)
+    assert state.k.shape[2] == 100
+    before = state.k.clone()
+    o1, s1 = m(q[:, :, 40:], k[:, :, 40:], v[:, :, 40:], initial_state=state, output_final_state=True)
+    q2, k2, v2 = make_qkv(1, 6, 3, 20, d, seed=5)
+    o2, s2 = m(q2, k2, v2, initial_state=state, output_final_state=True)
+    assert torch.equal(state.k, before) and s1.k.data_ptr() != s2.k.data_ptr()
+    assert torch.equal(
+        s1.k[:, :, 40:60],
+        k[
+            :,
+            :,
+            40:,
+        ][:, [0, 2]],
+    ) and torch.equal(s2.k[:, :, 40:60], k2[:, [0, 2]])
 
 
 def test_all_heads_exact_is_softmax_and_has_no_inner_state():

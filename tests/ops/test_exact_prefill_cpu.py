@@ -68,8 +68,22 @@ def test_bad_inputs_are_named():
     q, k, v = inputs(1, 2, 3, 10, 0, 8, 8)
     with pytest.raises(RuntimeError, match="k, v: expected"):
         ext.exact_prefill(q, k, v, 4, 0.1)  # 10 keys for past 4 + 10 queries
-    with pytest.raises(RuntimeError, match="k, v: expected contiguous"):
+    with pytest.raises(RuntimeError, match="k, v: expected CPU float32 or bfloat16"):
         ext.exact_prefill(q, k.double(), v.double(), 0, 0.1)
+    with pytest.raises(RuntimeError, match="rows contiguous"):
+        ext.exact_prefill(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, 0, 0.1)
+
+
+@pytest.mark.parametrize("bf16_products", [False, True])
+def test_heads_apart_in_a_buffer_give_the_contiguous_result(bf16_products):
+    # the first past + N slots of a cache buffer with room for more: each head's rows contiguous, the heads apart
+    q, k, v = inputs(2, 3, 3, 63, 37, 64, 64, torch.bfloat16)
+    kb = torch.zeros(2, 3, 200, 64, dtype=torch.bfloat16)
+    vb = torch.zeros(2, 3, 200, 64, dtype=torch.bfloat16)
+    kb[:, :, :100], vb[:, :, :100] = k, v
+    ext = cpu_kernel.load("window")
+    apart = ext.exact_prefill(q, kb[:, :, :100], vb[:, :, :100], 37, 0.125, bf16_products)
+    assert torch.equal(apart, ext.exact_prefill(q, k, v, 37, 0.125, bf16_products))
 
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16])

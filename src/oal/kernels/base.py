@@ -7,10 +7,43 @@ reads KV head ``h // (Hq // Hkv)``.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 from torch import nn
+
+# where the prompt being prefilled in chunks ends (oal.models.prefill): a chunk of a prompt that will outgrow the
+# kept form builds the state at once instead of keeping keys only to fold them a chunk later, and the exact heads'
+# key buffers are allocated for the whole prompt at its first chunk
+_PROMPT_END: ContextVar[int | None] = ContextVar("oal_prompt_end", default=None)
+
+
+@contextlib.contextmanager
+def prompt_end(position: int) -> Iterator[None]:
+    """Within it, kernel calls belong to a prompt that runs to context length ``position`` (a prompt in chunks,
+    whose caller owns the states: :func:`oal.kernels.kept.start` and :func:`oal.kernels.kept.extend` keep keys and
+    values only if the whole prompt stays below the limit, and an :class:`oal.kernels.ExactHeadsKernel` writes a
+    chunk's keys into the room its state's buffers have)."""
+    token = _PROMPT_END.set(position)
+    try:
+        yield
+    finally:
+        _PROMPT_END.reset(token)
+
+
+def context_end(end: int) -> int:
+    """The context length a call that reaches position ``end`` is part of: the prompt's end within
+    :func:`prompt_end`, else ``end``."""
+    hint = _PROMPT_END.get()
+    return end if hint is None else max(end, hint)
+
+
+def in_prompt() -> bool:
+    """Whether the caller is a prompt in chunks (:func:`prompt_end`)."""
+    return _PROMPT_END.get() is not None
 
 
 def check_positions(positions: torch.Tensor, n: int) -> torch.Tensor:

@@ -46,7 +46,7 @@ _CONSTANTS_ATTR = "_oal_decode_constants"
 _EMPTY = torch.empty(0)
 
 
-def _parts(kernel) -> tuple[OALKernel, SinkWindowKernel | None, tuple[int, ...], tuple[int, ...], list[int]]:
+def _parts(kernel) -> tuple[OALKernel, SinkWindowKernel | None, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(OAL kernel, sink/window wrapper or None, exact KV heads, kernel KV heads, kernel query heads)."""
     if isinstance(kernel, ExactHeadsKernel):
         inner = kernel.inner
@@ -55,7 +55,7 @@ def _parts(kernel) -> tuple[OALKernel, SinkWindowKernel | None, tuple[int, ...],
         return oal, sw, kernel.exact_kv_heads, kernel.kernel_kv_heads, kernel._kernel_q
     sw = kernel if isinstance(kernel, SinkWindowKernel) else None
     oal = sw.inner if sw is not None else kernel
-    return oal, sw, (), tuple(range(kernel.num_kv_heads)), list(range(kernel.num_heads))
+    return oal, sw, (), tuple(range(kernel.num_kv_heads)), tuple(range(kernel.num_heads))
 
 
 def _constants(kernel) -> tuple[torch.Tensor, ...]:

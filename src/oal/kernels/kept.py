@@ -21,9 +21,6 @@ heads keep their keys and values anyway).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
@@ -31,6 +28,7 @@ import torch
 from ..ops.quadratic import cpu as cpu_kernel
 from ..ops.quadratic.utils import cyclic_features, cyclic_maps, cyclic_width, feature_dim
 from ..ops.sink_window import SinkWindowState
+from .base import context_end, prompt_end
 from .hybrid import ExactHeadsKernel, ExactHeadsState
 from .oal import OALKernel
 from .sink_window import SinkWindowKernel
@@ -58,25 +56,6 @@ FOLD_SPREAD = 32
 # keys per feature block while folding: a (128, D) block, 1.1 MB for d = 64 (512 keys' 4.4 MB was the largest
 # transient of a 1k decode at its fold step)
 _FOLD_BLOCK = 128
-# where the prompt being prefilled in chunks ends (oal.models.prefill): a chunk of a prompt that will outgrow the
-# kept form builds the state at once instead of keeping keys only to fold them a chunk later
-_PROMPT_END: ContextVar[int | None] = ContextVar("oal_prompt_end", default=None)
-
-
-@contextlib.contextmanager
-def prompt_end(position: int) -> Iterator[None]:
-    """Within it, kernel calls belong to a prompt that runs to context length ``position`` (a prompt in chunks):
-    :func:`start` and :func:`extend` keep keys and values only if the whole prompt stays below the limit."""
-    token = _PROMPT_END.set(position)
-    try:
-        yield
-    finally:
-        _PROMPT_END.reset(token)
-
-
-def _context_end(end: int) -> int:
-    hint = _PROMPT_END.get()
-    return end if hint is None else max(end, hint)
 
 
 class KeptKV(NamedTuple):
@@ -173,7 +152,7 @@ def start(
     dtype = torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
     n, d, dv = k.shape[2], k.shape[3], v.shape[3]
     limit = keep_limit(kernel, d, dv, dtype.itemsize)
-    if n <= 0 or _context_end(n) > limit or not _cpu_inference(kernel, q, k, v):
+    if n <= 0 or context_end(n) > limit or not _cpu_inference(kernel, q, k, v):
         return None
     if cpu_kernel.load("decode") is None:
         return None
@@ -264,7 +243,7 @@ def extend(
         return None
     n, d, dv = k.shape[2], k.shape[3], v.shape[3]
     total = kept.length + n
-    if _context_end(total) > fold_point(kernel, d, dv, layer, kept.k.element_size()):
+    if context_end(total) > fold_point(kernel, d, dv, layer, kept.k.element_size()):
         return None
     if not _cpu_inference(kernel, q, k, v):
         return None

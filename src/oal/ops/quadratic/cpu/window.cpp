@@ -468,20 +468,26 @@ void exact_block_bf16(const float* q, const uint16_t* Kp, const uint16_t* Vp, fl
 #endif
 
 // q (B, Hkv, G, N, d) fp32: the new queries of each KV head's query heads; k (B, Hkv, t0 + N, d), v (…, dv) fp32 or
-// bf16: the keys and values of the t0 cached and the N new tokens. Returns out (B, Hkv, G, N, dv) fp32.
+// bf16: the keys and values of the t0 cached and the N new tokens, each head's rows contiguous (the heads may be
+// apart). Returns out (B, Hkv, G, N, dv) fp32.
 // bf16_products: the products on bf16 numbers (exact_block<T, true>), with AVX512_BF16's pair products where the
 // build has them and native is true (native false: the fp32 tiles on the rounded numbers, for the tests).
 Tensor exact_prefill(const Tensor& q, const Tensor& k, const Tensor& v, int64_t t0, double scale, bool bf16_products,
                      bool native) {
   check_f32(q, "q", 5);
   const bool bf16 = k.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((bf16 || k.scalar_type() == at::kFloat) && v.scalar_type() == k.scalar_type() && k.is_contiguous() &&
-                  v.is_contiguous() && k.dim() == 4 && v.dim() == 4 && k.device().is_cpu() && v.device().is_cpu(),
-              "k, v: expected contiguous CPU float32 or bfloat16 tensors of one dtype with 4 dimensions");
+  TORCH_CHECK((bf16 || k.scalar_type() == at::kFloat) && v.scalar_type() == k.scalar_type() && k.dim() == 4 &&
+                  v.dim() == 4 && k.device().is_cpu() && v.device().is_cpu(),
+              "k, v: expected CPU float32 or bfloat16 tensors of one dtype with 4 dimensions");
   const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), N = q.size(3), d = q.size(4), dv = v.size(3);
   TORCH_CHECK(k.size(0) == B && k.size(1) == Hkv && k.size(2) == t0 + N && k.size(3) == d && v.size(0) == B &&
                   v.size(1) == Hkv && v.size(2) == t0 + N,
               "k, v: expected (B, Hkv, t0 + N, ·) = (", B, ", ", Hkv, ", ", t0 + N, ", ·) keys and values");
+  // each head's keys and values contiguous (t0 + N, ·) rows; the heads may lie apart (the first t0 + N slots of a
+  // cache buffer with room for more)
+  TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == d && v.stride(3) == 1 && v.stride(2) == dv,
+              "k, v: expected each head's (t0 + N, ·) rows contiguous, got strides ", k.strides(), " and ",
+              v.strides());
   Tensor out = at::empty({B, Hkv, G, N, dv}, q.options());
   const int64_t nblk = (N + EXACT_Q - 1) / EXACT_Q, tasks = B * Hkv * nblk;
   const float* qp = q.data_ptr<float>();
@@ -497,8 +503,8 @@ Tensor exact_prefill(const Tensor& q, const Tensor& k, const Tensor& v, int64_t 
   std::vector<float> Kf(use_native ? 0 : B * Hkv * kstride), Vf(use_native ? 0 : B * Hkv * vstride);
   std::vector<uint16_t> Kb(use_native ? B * Hkv * kstride : 0), Vb(use_native ? B * Hkv * vstride : 0);
   auto pack = [&](const auto* K, const auto* V, int64_t bh) {
-    K += bh * keys * d;
-    V += bh * keys * dv;
+    K += bh / Hkv * k.stride(0) + bh % Hkv * k.stride(1);
+    V += bh / Hkv * v.stride(0) + bh % Hkv * v.stride(1);
     using T = std::remove_const_t<std::remove_pointer_t<decltype(K)>>;
 #if defined(__AVX512BF16__)
     if (use_native) return pack_bf16(K, V, keys, d, dv, Kb.data() + bh * kstride, Vb.data() + bh * vstride);
