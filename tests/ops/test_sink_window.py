@@ -343,6 +343,24 @@ class TestErrors:
         with pytest.raises(ValueError, match="initial_state: the naive reference"):
             self.call(n_sink=2, window=3, initial_state=state, mode="naive")
 
+    def test_chunk_mode_checks_what_its_kernel_part_no_longer_rechecks(self):
+        # the chunk path calls the kernel part's operator unchecked: the factor, the floor and the state's sink and
+        # window buffers (keys of the kernel part once they leave the window) are checked on the way in
+        from oal.ops.quadratic import KernelFactor
+
+        _, state = self.call(n_sink=2, window=3, output_final_state=True)
+        bad = state.window_k.clone()
+        bad[0, 1, 2, 0] = float("nan")
+        with pytest.raises(ValueError, match="initial_state.window_k: contains NaN"):
+            self.call(n_sink=2, window=3, initial_state=state._replace(window_k=bad))
+        with pytest.raises(ValueError, match="initial_state.sink_v: contains NaN"):
+            self.call(n_sink=2, window=3, initial_state=state._replace(sink_v=state.sink_v * float("inf")))
+        with pytest.raises(ValueError, match="kernel_floor: expected a positive finite number"):
+            self.call(kernel_floor=0.0)
+        factor = KernelFactor(torch.ones(4), torch.ones(4, 2), torch.ones(3, 2, 4))
+        with pytest.raises(ValueError, match=r"factor.W: expected shape \(4, 2, 4\)"):
+            self.call(factor=factor)
+
 
 def _fp32(x):
     return x.float() if isinstance(x, torch.Tensor) else KernelFactor(*(t.float() for t in x))

@@ -101,7 +101,19 @@ def chunk_quadratic_attention(
         check_key_weight(key_weight, dims, q.device)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
-    s = default_scale(dims.d, scale)
+    return chunk_checked(
+        q, k, v, a, b, C, dims, default_scale(dims.d, scale), chunk_size, initial_state, output_final_state, factor,
+        kernel_floor, key_weight, return_denominator,
+    )  # fmt: skip
+
+
+def chunk_checked(
+    q, k, v, a, b, C, dims, s, chunk_size, initial_state, output_final_state, factor, kernel_floor, key_weight,
+    return_denominator,
+):  # fmt: skip
+    """:func:`chunk_quadratic_attention` on inputs its checks passed (``dims`` from ``check_qkv``, ``s`` the
+    scale): for a caller that validated the same tensors (the sink/window operator's kernel part), whose checks
+    would otherwise run twice per layer and chunk of a prompt."""
     cs = max(1, min(chunk_size, dims.N))
     extra = tuple(x for x in (initial_state, key_weight) if x is not None)
     inputs = (q, k, v, a, b, C, *(factor or ()), *extra)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quadratic.utils import KernelFactor, check_coefficients, check_qkv, default_scale
+from ..quadratic.utils import KernelFactor, check_coefficients, check_factor, check_floor, check_qkv, default_scale
 from .utils import SinkWindowState, check_beta, check_config, check_state, evaluate
 
 DEFAULT_CHUNK = 64
@@ -44,8 +44,13 @@ def chunk_sink_window_attention(
     check_coefficients(a, b, C, dims)
     check_beta(beta, dims)
     check_config(n_sink, window)
+    # what the kernel part's operator would check again (evaluate calls it unchecked): the factor, the floor and
+    # the state's buffers, which it reads as keys
+    if factor is not None:
+        check_factor(factor, dims)
+    check_floor(kernel_floor)
     if initial_state is not None:
-        check_state(initial_state, dims, n_sink, window, k.dtype)
+        check_state(initial_state, dims, n_sink, window, k.dtype, buffers_finite=True)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     return evaluate(

@@ -22,6 +22,7 @@ import torch
 
 from ..quadratic import KernelFactor, feature_dim, quadratic_attention
 from ..quadratic import cpu as cpu_kernel
+from ..quadratic.chunk import chunk_checked
 from ..quadratic.utils import Dims, _need_finite, _need_shape, _need_tensor, compute_dtype
 
 MODES = ("naive", "chunk", "recurrent")
@@ -76,8 +77,11 @@ def check_beta(beta: torch.Tensor, dims: Dims) -> None:
     _need_finite("beta", beta)
 
 
-def check_state(state: SinkWindowState, dims: Dims, n_sink: int, window: int, dtype: torch.dtype) -> None:
-    """A state must come from the same configuration, batch, heads, head dims and input dtype."""
+def check_state(
+    state: SinkWindowState, dims: Dims, n_sink: int, window: int, dtype: torch.dtype, buffers_finite: bool = False
+) -> None:
+    """A state must come from the same configuration, batch, heads, head dims and input dtype (and, with
+    ``buffers_finite``, hold finite sink and window keys and values)."""
     if not isinstance(state, SinkWindowState):
         raise ValueError(f"initial_state: expected a SinkWindowState, got {type(state).__name__}")
     B, _, Hkv, _, d, dv = dims
@@ -94,6 +98,8 @@ def check_state(state: SinkWindowState, dims: Dims, n_sink: int, window: int, dt
         _need_shape(f"initial_state.{name}", _need_tensor(f"initial_state.{name}", x), (B, Hkv, n, width))
         if x.dtype != dtype:
             raise ValueError(f"initial_state.{name}: expected dtype {dtype} like the keys, got {x.dtype}")
+        if buffers_finite:
+            _need_finite(f"initial_state.{name}", x)
     if not isinstance(state.offset, int) or isinstance(state.offset, bool) or state.offset < 0:
         raise ValueError(f"initial_state.offset: expected a non-negative integer, got {state.offset!r}")
 
@@ -169,7 +175,25 @@ def evaluate(
     # (before i0 no key has entered the state, so the initial state is still the one to continue).
     key_weight = (torch.arange(N, device=q.device) + (t0 - w) >= n_sink).to(cdt).expand(B, Hkv, N)
     i0 = min(N, max(0, n_sink + w - t0))
-    if i0 < N:
+    if i0 < N and kernel_mode == "chunk":  # inputs checked by chunk_sink_window_attention
+        o_kern, den, kernel_state = chunk_checked(
+            qc[:, :, i0:],
+            ext_k[:, :, i0:N],
+            ext_v[:, :, i0:N],
+            a,
+            b,
+            C,
+            Dims(B, Hq, Hkv, N - i0, d, dv),
+            scale,
+            chunk_size,
+            None if initial_state is None else initial_state.kernel,
+            output_final_state,
+            factor,
+            kernel_floor,
+            key_weight[:, :, i0:],
+            True,
+        )
+    elif i0 < N:
         o_kern, den, kernel_state = quadratic_attention(
             qc[:, :, i0:],
             ext_k[:, :, i0:N],
