@@ -1,7 +1,8 @@
 """Where a converted model's prefill goes: the model's forward over N random tokens into a fresh cache, with the
 time inside the exact heads' softmax (``ExactHeadsKernel._exact_forward``), the kernel part (the quadratic
-operator as the sink/window operator calls it) and the sink/window exact part (``_FusedWindow``) summed over the
-layers; the rest is the model's own linear layers, norms and the hooks. The original's SDPA time beside it.
+operator as the sink/window operator calls it, ``chunk_checked``) and the sink/window exact part
+(``_FusedWindow``) summed over the layers; the rest is the model's own linear layers, norms and the hooks. The
+original's SDPA time beside it.
 
     python benchmarks/prefill_parts.py --converted docs/results/conversion/model --sizes 1024,8192 --threads 2
 """
@@ -43,7 +44,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    sink_window.quadratic_attention = timed(sink_window.quadratic_attention, "kernel_part_s")
+    sink_window.chunk_checked = timed(sink_window.chunk_checked, "kernel_part_s")
     sink_window._FusedWindow.apply = timed(sink_window._FusedWindow.apply, "window_part_s")
     hybrid.ExactHeadsKernel._exact_forward = timed(hybrid.ExactHeadsKernel._exact_forward, "exact_heads_s")
     AttentionInterface._global_mapping["sdpa"] = timed(AttentionInterface._global_mapping["sdpa"], "sdpa_s")
