@@ -311,7 +311,10 @@ class ExactHeadsKernel(AttentionKernel):
         """q ``(B, Hq, N, d)``, k ``(B, Hkv, N, d)``, v ``(B, Hkv, N, dv)`` -> ``(o (B, Hq, N, dv), state)``.
 
         ``mode`` (``naive`` / ``chunk`` / ``recurrent``) selects the inner kernel's evaluation; the exact heads
-        are one SDPA call over their cached and new keys in every mode."""
+        are one SDPA call over their cached and new keys in every mode. The state's exact keys and values may have
+        room past its ``offset``: within :func:`oal.kernels.base.prompt_end` (a prompt in chunks whose caller owns
+        the state) the first chunk allocates them for the whole prompt and later chunks write into that room;
+        elsewhere ``initial_state`` is left as it was."""
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             raise ValueError(
                 f"q, k, v: expected 4-D (B, H, N, ·) tensors, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
