@@ -46,24 +46,6 @@ def in_prompt() -> bool:
     return _PROMPT_END.get() is not None
 
 
-def derived(module: nn.Module, name: str, tensors: tuple[torch.Tensor, ...], build, extra: tuple = ()):
-    """``build()``, remembered on ``module`` under ``name`` while each of ``tensors`` keeps its storage and version
-    counter (and ``extra`` its value), outside autograd: a kernel's coefficients (Eq. 3, Eq. 7's factor) derived
-    from unchanged parameters, which each layer and chunk of a prompt rebuilt otherwise (~0.5 ms a call). Built
-    anew, not remembered, where a tensor requires grad under autograd (training) or is an inference tensor (no
-    version counter)."""
-    if any(t.is_inference() for t in tensors) or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-        return build()
-    key = (*((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors), *extra)
-    memo = module.__dict__.setdefault("_oal_derived", {})
-    hit = memo.get(name)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    value = build()
-    memo[name] = (key, value)
-    return value
-
-
 def check_positions(positions: torch.Tensor, n: int) -> torch.Tensor:
     """positions: ``(P,)`` integer query positions in ``[0, n)``."""
     if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.is_floating_point():

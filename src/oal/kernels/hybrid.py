@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.quadratic import cpu as cpu_kernels
-from .base import AttentionKernel, check_positions, context_end, derived, in_prompt, repeat_kv
+from .base import AttentionKernel, check_positions, context_end, in_prompt, repeat_kv
 from .oal import OALKernel, oal_attention, oal_coefficients, oal_factor
 from .sink_window import SinkWindowKernel
 
@@ -218,12 +218,9 @@ class ExactHeadsKernel(AttentionKernel):
 
     def _inner_forward(self, q, k, v, *, mode, initial_state, output_final_state, chunk_size):
         """The inner kernel on the query heads ``self._kernel_q`` and KV heads ``self.kernel_kv_heads`` only."""
+        hq = torch.tensor(self._kernel_q, device=q.device)
         oal = self._oal
-        sw = self.inner if isinstance(self.inner, SinkWindowKernel) else None
-        params = (oal.groups, oal.L) + ((sw.beta,) if sw is not None else ())
-        groups, L, beta, a, b, C, factor = derived(
-            self, "inner", params, lambda: self._inner_constants(q.device), (oal.eps, q.device)
-        )
+        groups, L = oal.groups.index_select(0, hq.to(oal.groups.device)), oal.L.index_select(0, hq.to(oal.L.device))
         if not isinstance(self.inner, SinkWindowKernel):
             return oal_attention(
                 q,
@@ -239,6 +236,7 @@ class ExactHeadsKernel(AttentionKernel):
             )
         from ..ops.sink_window import sink_window_attention
 
+        a, b, C = oal_coefficients(groups, L, oal.eps)
         return sink_window_attention(
             q,
             k,
@@ -246,7 +244,7 @@ class ExactHeadsKernel(AttentionKernel):
             a,
             b,
             C,
-            beta,
+            self.inner.beta.index_select(0, hq.to(self.inner.beta.device)),
             n_sink=self.inner.n_sink,
             window=self.inner.window,
             scale=self.scale,
@@ -254,19 +252,9 @@ class ExactHeadsKernel(AttentionKernel):
             chunk_size=chunk_size,
             initial_state=initial_state,
             output_final_state=output_final_state,
-            factor=factor if mode == "chunk" else None,
+            factor=oal_factor(groups, L, oal.eps) if mode == "chunk" else None,
             kernel_floor=oal.eps,
         )
-
-    def _inner_constants(self, device: torch.device) -> tuple:
-        """The kernel heads' groups, L and β (None without a sink/window), their Eq. 3 coefficients and factor."""
-        oal = self._oal
-        hq = torch.tensor(self._kernel_q, device=device)
-        groups, L = oal.groups.index_select(0, hq.to(oal.groups.device)), oal.L.index_select(0, hq.to(oal.L.device))
-        beta = None
-        if isinstance(self.inner, SinkWindowKernel):
-            beta = self.inner.beta.index_select(0, hq.to(self.inner.beta.device))
-        return (groups, L, beta, *oal_coefficients(groups, L, oal.eps), oal_factor(groups, L, oal.eps))
 
     def _exact_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
         """Causal softmax of the N new queries ``q (B, Eg, N, d)`` over ``past`` cached + N new keys ``k (B, E,

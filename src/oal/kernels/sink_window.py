@@ -20,7 +20,7 @@ from ..ops.quadratic import factored_kernel
 from ..ops.quadratic.utils import compute_dtype
 from ..ops.sink_window import SinkWindowState, sink_window_attention, sink_window_weights
 from ..ops.sink_window.utils import check_config
-from .base import AttentionKernel, check_positions, derived, repeat_kv
+from .base import AttentionKernel, check_positions, repeat_kv
 from .oal import OALKernel, oal_coefficients, oal_factor
 
 SUFFIXES = ("+sink", "+window")
@@ -101,14 +101,8 @@ class SinkWindowKernel(AttentionKernel):
         chunk_size: int = 64,
     ) -> tuple[torch.Tensor, SinkWindowState | None]:
         inner = self.inner
-        a, b, C, factor = derived(
-            self,
-            "coefficients",
-            (inner.groups, inner.L),
-            lambda: (*oal_coefficients(inner.groups, inner.L, inner.eps), oal_factor(inner.groups, inner.L, inner.eps)),
-            (inner.eps,),
-        )
-        factor = factor if mode == "chunk" else None
+        a, b, C = oal_coefficients(inner.groups, inner.L, inner.eps)
+        factor = oal_factor(inner.groups, inner.L, inner.eps) if mode == "chunk" else None
         return sink_window_attention(
             q,
             k,
