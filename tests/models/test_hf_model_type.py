@@ -90,6 +90,8 @@ def test_kernels_only_directory_loads_through_the_auto_class(make_model, tmp_pat
     assert torch.equal(logits(auto, IDS), logits(model, IDS))
     with pytest.raises(ValueError, match="kernels-only converted directory loads with"):
         AutoModelForCausalLM.from_pretrained(out, quantization_config={"x": 1})
+    with pytest.raises(ValueError, match="kernels-only converted directory loads with"):
+        oal_classes("llama")[1].from_pretrained(out, subfolder="inner")  # the Auto class fails before, on its config
     with pytest.raises(ValueError, match="device_map: a kernels-only converted directory loads onto one device"):
         AutoModelForCausalLM.from_pretrained(out, device_map={"": 0})
     half = AutoModelForCausalLM.from_pretrained(out, dtype="bfloat16")

@@ -50,7 +50,8 @@ PREFIX = MODEL_TYPE_PREFIX
 REMOTE_CODE_FILE = "modeling_oal.py"
 _CLASSES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {}
 # what a kernels-only directory's from_pretrained accepts: the loading options it honours, and what the Auto
-# classes pass along on their own (the config they already read, the remote-code switches)
+# classes pass along on their own (the config they already read, the remote-code switches, and since
+# transformers 5.25 the hub download options, which a local directory does not use; a subfolder only empty)
 _KERNELS_ONLY_KWARGS = {
     "dtype",
     "device_map",
@@ -62,6 +63,12 @@ _KERNELS_ONLY_KWARGS = {
     "code_revision",
     "revision",
     "adapter_kwargs",
+    "cache_dir",
+    "force_download",
+    "local_files_only",
+    "proxies",
+    "token",
+    "subfolder",
 }
 
 
@@ -97,7 +104,7 @@ def _make(base: str) -> tuple[type[PretrainedConfig], type[PreTrainedModel]]:
             # kernels-only directory: the base weights come from where the record says
             from .converted import load_converted
 
-            if args or set(kwargs) - _KERNELS_ONLY_KWARGS:
+            if args or set(kwargs) - _KERNELS_ONLY_KWARGS or kwargs.get("subfolder"):
                 raise ValueError(
                     f"{path}: a kernels-only converted directory loads with dtype, device_map and "
                     f"attn_implementation only, got {sorted(kwargs)}"
