@@ -356,7 +356,11 @@ class ExactHeadsKernel(AttentionKernel):
         if not self._kernel_q:
             o = oe
         else:
+            # the exact heads' output goes into place (and is freed) before the kernel heads run: one buffer fewer
+            # alive beside the inner kernel's transients
             o = q.new_empty(B, self.num_heads, q.shape[2], v.shape[-1])
+            _put_heads(o, self._exact_q, oe)
+            del oe
             rest = self.kernel_kv_heads
             oi, new_inner = self._inner_forward(
                 _heads(q, self._kernel_q),
@@ -367,7 +371,6 @@ class ExactHeadsKernel(AttentionKernel):
                 output_final_state=output_final_state,
                 chunk_size=chunk_size,
             )
-            _put_heads(o, self._exact_q, oe)
             _put_heads(o, self._kernel_q, oi)
         if not output_final_state:
             return o, None

@@ -228,8 +228,12 @@ def _kernel_attention(
             "state, not keys and values: run the model with use_cache=False or a fresh cache"
         )
     # kernels accumulate in fp32 (q/k may already be fp32 after RoPE under autocast while v is half), and autocast
-    # must not push their GEMMs back to half precision
-    q, k, v = (x.float() if x.dtype in _HALF else x for x in (query, key, value))
+    # must not push their GEMMs back to half precision; the copy is made contiguous (the heads transposed out of
+    # the projection are not), so that the fused kernels do not copy it once more
+    q, k, v = (
+        x.to(torch.float32, memory_format=torch.contiguous_format) if x.dtype in _HALF else x
+        for x in (query, key, value)
+    )
     with torch.autocast(q.device.type, enabled=False):
         if valid is not None or (layer is not None and isinstance(layer.state, RowStates)):
             o = _padded_attention(where, kernel, q, k, v, valid, layer, past, module.layer_idx, key.dtype)

@@ -239,7 +239,7 @@ def evaluate(
     if n_sink == 0 and w == 0:
         o = o_kern  # no exact set: the plain kernel, whatever β
     elif _fused_window_usable(qc, ext_k, ext_v, log_mass, o_kern):
-        o = _FusedWindow.apply(
+        inputs = (
             qc.reshape(B, Hkv, G, N, d).contiguous(),
             ext_k.contiguous(),
             ext_v.contiguous(),
@@ -247,12 +247,16 @@ def evaluate(
             seg.sink_v.to(cdt).contiguous(),
             log_mass.contiguous(),
             o_kern.contiguous(),
-            t0,
-            n_sink,
-            w,
-            scale,
-            cpu_kernel.load("window"),
         )
+        ext = cpu_kernel.load("window")
+        if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+            o = _FusedWindow.apply(*inputs, t0, n_sink, w, scale, ext)
+        else:
+            # without autograd the combination overwrites the kernel part's output (fresh here, its own buffer):
+            # window.cpp reads each row of o_kern just before it writes that row, so one (B, Hq, N, dv) buffer
+            # fewer is live at a prompt's peak
+            o = inputs[-1]
+            ext.window_combine(*inputs, o, t0, n_sink, w, scale)
     else:
         q_groups = qc.view(B, Hkv, G, N, d)
         sink_k, sink_v = seg.sink_k.to(cdt), seg.sink_v.to(cdt)

@@ -127,7 +127,8 @@ Segment segment(const Tensor& q, const Tensor& ext_k, const Tensor& ext_v, const
 
 // q (B, Hkv, G, N, d); ext_k (B, Hkv, w + N, d), ext_v (…, dv): the window buffer followed by the segment;
 // sink_k (B, Hkv, n_sink, d), sink_v (…, dv); log_mass (B, Hkv, G, N); o_kern (B, Hkv, G, N, dv);
-// out (B, Hkv, G, N, dv) written.
+// out (B, Hkv, G, N, dv) written; it may be o_kern itself (each row of o_kern is read just before that row of out
+// is written).
 void window_combine(const Tensor& q, const Tensor& ext_k, const Tensor& ext_v, const Tensor& sink_k,
                     const Tensor& sink_v, const Tensor& log_mass, const Tensor& o_kern, Tensor& out, int64_t t0,
                     int64_t n_sink, int64_t w, double scale) {
