@@ -4,7 +4,7 @@ the card's figures read from the committed measurements (nothing typed by hand).
     OAL_DATA_DIR=../shared/data python benchmarks/write_model_card.py
 
 Reads docs/results/conversion/{original,converted}/*.json (oal eval) and
-docs/results/bench/model/stop32/recipe_b1/decode.json (oal bench decode); keeps recipe.json; the kernels are rewritten
+docs/results/bench/model/stop33/recipe_b1/decode.json (oal bench decode); keeps recipe.json; the kernels are rewritten
 from the loaded model (byte-identical tensors).
 """
 
@@ -21,7 +21,7 @@ from oal.models import load_model, load_tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "docs/results/conversion/model"
 RESULTS = ROOT / "docs/results/conversion"
-DECODE = ROOT / "docs/results/bench/model/stop32/recipe_b1/decode.json"
+DECODE = ROOT / "docs/results/bench/model/stop33/recipe_b1/decode.json"
 
 
 def main() -> None:
