@@ -1,5 +1,6 @@
 """Dev check for issues #14/#15 (not the evaluation data): does storing the exact heads' keys and values in lower
-precision change the committed converted model? Variants: ``fp32`` (the model as committed), ``bf16-rounded``
+precision change the committed converted model? Variants: ``fp32`` (the model as committed; the name is stop
+21's, when its exact keys and values were fp32: they are bf16 since stop 22), ``bf16-rounded``
 (every ExactHeadsKernel's k and v rounded to bf16 before use: the exact heads' cache, the inner kernel's sinks,
 window and state inputs of those layers; the decode steps' new keys are not rounded), ``int8-token`` (only the
 exact KV heads' keys and values, each token's vector of each head quantised to int8 with its own absmax scale,
