@@ -17,7 +17,7 @@ kernel attention of Eq. 3 (κ from the packed features of Eq. 24–25, no sinks 
 Prints one JSON line per head (relative RMS error of the output, largest relative error of the denominator) and a
 summary line.
 
-    python benchmarks/kernel_part_bf16.py --n 2048 --layers 12,16,25,29
+    python benchmarks/kernel_part_bf16.py --n 2048 --layers 12,16,25,29 --data-dir ../shared/data
 """
 
 from __future__ import annotations
