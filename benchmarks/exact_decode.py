@@ -1,6 +1,7 @@
 """One fused decode step (oal.kernels.decode) of a SmolLM2-shaped layer (9 query / 3 KV heads, d = 64) at N tokens
-with all three KV heads exact, optionally their keys/values in bf16, and with none exact (sinks + 256 window +
-kernel): median of 40 steps after a prefill. Reports the exact keys/values' MB and the rate they are read at.
+with all three KV heads exact, their keys/values in fp32, bf16 or int8 (an 8-bit exact cache with per-token scales),
+with fp32 or bf16 products, and with none exact (sinks + 256 window + kernel): median of 40 steps after a prefill.
+Reports the exact keys/values' MB (with the int8 scales) and the rate they are read at.
 
     python benchmarks/exact_decode.py --n 8192 --threads 2
 """
@@ -32,6 +33,9 @@ def main() -> None:
     for name, kernel in (
         ("3 exact KV heads, fp32", ExactHeadsKernel(sw, (0, 1, 2))),
         ("3 exact KV heads, bf16", ExactHeadsKernel(sw, (0, 1, 2), kv_dtype=torch.bfloat16)),
+        ("3 exact KV heads, bf16, bf16 products", ExactHeadsKernel(sw, (0, 1, 2), torch.bfloat16, torch.bfloat16)),
+        ("3 exact KV heads, int8", ExactHeadsKernel(sw, (0, 1, 2), kv_dtype=torch.int8)),
+        ("3 exact KV heads, int8, bf16 products", ExactHeadsKernel(sw, (0, 1, 2), torch.int8, torch.bfloat16)),
         ("no exact head", sw),
     ):
         gen = torch.Generator().manual_seed(0)
@@ -46,7 +50,8 @@ def main() -> None:
         ms = sorted(times)[len(times) // 2] * 1e3
         row = {"layer": name, "n": n, "ms_per_step": round(ms, 3)}
         if isinstance(kernel, ExactHeadsKernel):
-            mb = state.k[:, :, :n].numel() * state.k.element_size() * 2 / 1e6
+            parts = (state.k, state.v) + (() if state.k_scale is None else (state.k_scale, state.v_scale))
+            mb = sum(x[:, :, :n].numel() * x.element_size() for x in parts) / 1e6
             row.update(exact_kv_mb=round(mb, 2), gb_per_s=round(mb / ms, 1))
         print(json.dumps(row), flush=True)
 

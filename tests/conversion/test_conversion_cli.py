@@ -115,7 +115,8 @@ def test_bench_decode_runs_points_in_subprocesses(base_dir, tmp_path):
     [
         (
             ["--recipe", "fastest"],
-            "expected one of retrieval, retrieval-fp32products, retrieval-fp32kv, retrieval-copy, retrieval-bf16kv",
+            "expected one of retrieval, retrieval-fp32products, retrieval-int8kv, retrieval-fp32kv, retrieval-copy, "
+            "retrieval-bf16kv",
         ),
         (["--recipe", "retrieval", "--kernel", "global"], "--recipe fixes the kernel"),
         (["--recipe", "retrieval", "--layers", "1-2"], "--recipe fixes the kernel"),
@@ -129,3 +130,40 @@ def test_convert_recipe_usage_errors(base_dir, tmp_path, args, message, monkeypa
     result = invoke("convert", "--model", base_dir, *args, "--out", tmp_path / "out")
     assert result.exit_code == 2, result.output
     assert "--recipe" in result.output and message in result.output
+
+
+def test_convert_exact_kv_dtype_restores_a_converted_model(base_dir, tmp_path):
+    """`oal convert --model CONVERTED --exact-kv-dtype int8`: the same kernels, the exact keys and values in int8;
+    refused for a model that is not converted, with conversion options, or for an unknown dtype."""
+    import torch
+
+    from oal.conversion.convert import save_converted
+    from oal.conversion.heads import add_exact_heads
+    from oal.kernels import ExactHeadsKernel
+    from oal.models import load_tokenizer
+
+    out = tmp_path / "converted"
+    groups = write_groups(tmp_path / "groups.json")
+    assert invoke("convert", "--model", base_dir, "--layers", "1-2", "--groups", groups, "--out", out).exit_code == 0
+    model = load_model(out)
+    add_exact_heads(model, {1: [0]}, kv_dtype=torch.bfloat16)
+    save_converted(model, out, tokenizer=load_tokenizer(out), overwrite=True)
+    int8 = tmp_path / "int8"
+    result = invoke("convert", "--model", out, "--exact-kv-dtype", "int8", "--out", int8)
+    assert result.exit_code == 0, result.output
+    assert "exact keys and values of 1 layers" in result.output
+    kernels = attached_kernels(load_model(int8))
+    assert isinstance(kernels[1], ExactHeadsKernel) and kernels[1].kv_dtype == torch.int8
+    before = attached_kernels(load_model(out))
+    for layer in (1, 2):
+        for (name, a), (_, b) in zip(
+            before[layer].state_dict().items(), kernels[layer].state_dict().items(), strict=True
+        ):
+            assert torch.equal(a, b), name
+    for args, message in (
+        (["--model", base_dir, "--exact-kv-dtype", "int8"], "not a converted model"),
+        (["--model", out, "--exact-kv-dtype", "int4"], "expected one of bfloat16, int8, model"),
+        (["--model", out, "--exact-kv-dtype", "int8", "--layers", "1"], "re-saves a converted model as it is"),
+    ):
+        result = invoke("convert", *args, "--out", tmp_path / "x")
+        assert result.exit_code != 0 and message in result.output, result.output

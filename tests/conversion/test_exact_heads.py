@@ -231,3 +231,35 @@ def test_generate_reaches_the_fused_decode_step_and_matches_the_torch_step(make_
     # 7 one-token steps through 2 converted layers, every one fused; none with the extension off
     assert n_fused == 14 and all(calls[:n_fused]) and not any(calls[n_fused:])
     assert torch.equal(fused, plain)
+
+
+@pytest.mark.parametrize("kernel", ["oal", "sink_window"])
+def test_int8_exact_cache_decodes_as_one_pass_and_round_trips(make_model, kernel, tmp_path):
+    """set_exact_kv_dtype(int8): cached decoding (prompt, then one token at a time, the fused steps) equals one
+    pass over the same tokens (each token's key quantised the same way), the state holds int8 keys with their
+    scales, and the dtype survives save / load; a model without exact heads or a bad dtype is refused."""
+    from oal.conversion.heads import set_exact_kv_dtype
+
+    model = converted(make_model, kernel)
+    with pytest.raises(ValueError, match="no layer has exact heads"):
+        set_exact_kv_dtype(model, torch.int8)
+    add_exact_heads(model, {1: [1], 2: [0]}, kv_dtype=torch.bfloat16, product_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"product_dtype: bf16 products need"):
+        set_exact_kv_dtype(model, None)
+    assert attached_kernels(model)[1].kv_dtype == torch.bfloat16  # refused before any kernel changed
+    assert set_exact_kv_dtype(model, torch.int8) == 2
+    ids = torch.randint(0, 256, (1, 40))
+    full = logits(model, ids)
+    with torch.no_grad():
+        cache = KernelCache(model)
+        out = model(ids[:, :25], cache=cache, use_cache=True)
+        steps = [out.logits]
+        for t in range(25, 40):
+            out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+    state = cache.layers[1].state
+    assert state.k.dtype == torch.int8 and state.k_scale.dtype == torch.float32 and state.offset == 40
+    loaded = load_converted(save_converted(model, tmp_path / "m", tokenizer=byte_tokenizer()))
+    assert attached_kernels(loaded)[2].kv_dtype == torch.int8
+    assert torch.equal(logits(loaded, ids), full)

@@ -217,16 +217,24 @@ def test_fused_decode_head_dim_64_and_wide_groups(kind, threads, d):
 
 
 @pytest.mark.parametrize("d, Hq, Hkv", [(64, 9, 3), (32, 2, 2), (128, 4, 1), (64, 10, 2)])
-@pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16, torch.int8])
 def test_fused_exact_heads_long_context(d, Hq, Hkv, kv_dtype):
     """The exact heads' vector kernel (d = dv ∈ {32, 64, 128}, ≤ 4 query heads per KV head; 5 takes the generic one)
     over more keys than one split-K part (2048), with a tail of keys that is not a multiple of 16, and with its
-    keys and values stored in bf16 (kv_dtype): equal to the kernel's own chunked pass (fp32: the fp64 reference)."""
+    keys and values stored in bf16 or int8 (kv_dtype): equal to the kernel's own chunked pass (fp32: the fp64
+    reference); int8: each step's new key and value quantised as quantize_int8 does, bit for bit."""
+    from oal.kernels.hybrid import quantize_int8
+
     base = make_kernel("exact+sink_window", Hq, Hkv, d, exact=(0,) if Hkv == 1 else (0, Hkv - 1))
     kernel = ExactHeadsKernel(base.inner, base.exact_kv_heads, kv_dtype)
     q, k, v = make_qkv(1, Hq, Hkv, 2110, d)
     got, state = run_decode(kernel, q.float(), k.float(), v.float(), 2101)
     assert state.k.dtype == (kv_dtype or torch.float32)
+    if kv_dtype == torch.int8:
+        ex = list(kernel.exact_kv_heads)
+        for x, x8, sc in ((k, state.k, state.k_scale), (v, state.v, state.v_scale)):
+            want8, want_s = quantize_int8(x.float()[:, ex])
+            assert torch.equal(x8[:, :, :2110], want8) and torch.equal(sc[:, :, :2110], want_s)
     if kv_dtype is None:
         want = reference(kernel, q, k, v)
     else:  # the same rounding on both sides: the chunked pass in fp32
@@ -236,26 +244,31 @@ def test_fused_exact_heads_long_context(d, Hq, Hkv, kv_dtype):
     torch.testing.assert_close(got.double()[:, :, 2101:], want[:, :, 2101:], atol=2e-5, rtol=1e-4)
 
 
-def test_bf16_exact_buffers_grow_and_keep_their_dtype():
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+def test_exact_buffers_grow_and_keep_their_dtype(kv_dtype):
     base = make_kernel("exact+oal", 6, 2, 16, exact=(1,))
-    kernel = ExactHeadsKernel(base.inner, base.exact_kv_heads, torch.bfloat16)
+    kernel = ExactHeadsKernel(base.inner, base.exact_kv_heads, kv_dtype)
     q, k, v = (x.float() for x in make_qkv(2, 6, 2, 80, 16))
     got, state = run_decode(kernel, q, k, v, 5)  # 75 steps: the buffer grows past its first GROWTH slots
-    assert state.k.dtype == state.v.dtype == torch.bfloat16 and state.k.shape[2] >= 80
+    assert state.k.dtype == state.v.dtype == kv_dtype and state.k.shape[2] >= 80
+    if kv_dtype == torch.int8:  # the scales grow with their keys
+        assert state.k_scale.shape == state.v_scale.shape == state.k.shape[:3]
     with torch.no_grad():
         want, _ = kernel(q, k, v)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("d, Hq, Hkv", [(64, 9, 3), (32, 2, 2), (64, 10, 2)])
-def test_fused_decode_bf16_products(d, Hq, Hkv):
-    """product_dtype=bf16 in the decode step (queries and weights rounded; the vector kernel for ≤ 4 query heads
-    per KV head, the generic one for 5) over more keys than one split-K part: within 2^-8 · max |v| of the
-    kernel's own pass (its fused prompt kernel) and of bf16_product_attention on the exact heads."""
-    from oal.kernels.hybrid import bf16_product_attention
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+def test_fused_decode_bf16_products(d, Hq, Hkv, kv_dtype):
+    """product_dtype=bf16 in the decode step (queries and weights rounded, int8 keys and values dequantised and
+    rounded; the vector kernel for ≤ 4 query heads per KV head, the generic one for 5) over more keys than one
+    split-K part: within 2^-8 · max |v| of the kernel's own pass (its fused prompt kernel) and of
+    bf16_product_attention on the exact heads (int8: on their dequantised keys and values)."""
+    from oal.kernels.hybrid import bf16_product_attention, dequantize_int8, quantize_int8
 
     base = make_kernel("exact+sink_window", Hq, Hkv, d, exact=(0, Hkv - 1))
-    kernel = ExactHeadsKernel(base.inner, base.exact_kv_heads, torch.bfloat16, torch.bfloat16)
+    kernel = ExactHeadsKernel(base.inner, base.exact_kv_heads, kv_dtype, torch.bfloat16)
     q, k, v = (x.float() for x in make_qkv(1, Hq, Hkv, 2110, d))
     got, state = run_decode(kernel, q, k, v, 2101)
     with torch.no_grad():
@@ -264,9 +277,12 @@ def test_fused_decode_bf16_products(d, Hq, Hkv):
     assert float((got[:, :, 2101:] - want[:, :, 2101:]).abs().max()) <= bound
     ex = list(kernel.exact_kv_heads)
     eq = kernel._exact_q
-    ref = bf16_product_attention(q[:, eq, 2101:], k[:, ex], v[:, ex], 2101, kernel.scale)
+    ke, ve = k[:, ex], v[:, ex]
+    if kv_dtype == torch.int8:
+        ke, ve = dequantize_int8(*quantize_int8(ke)), dequantize_int8(*quantize_int8(ve))
+    ref = bf16_product_attention(q[:, eq, 2101:], ke, ve, 2101, kernel.scale)
     assert float((got[:, eq, 2101:] - ref).abs().max()) <= bound
     with torch.no_grad():
-        fp32 = ExactHeadsKernel(base.inner, base.exact_kv_heads, torch.bfloat16)
+        fp32 = ExactHeadsKernel(base.inner, base.exact_kv_heads, kv_dtype)
         plain, _ = run_decode(fp32, q, k, v, 2101)
     assert float((plain[:, eq, 2101:] - got[:, eq, 2101:]).abs().max()) > 1e-6  # the rounding is applied

@@ -213,7 +213,7 @@ def test_bf16_kv_rounds_the_exact_heads_keys_and_values_only(kind):
 
 
 def test_bad_kv_dtype_and_state_dtype():
-    with pytest.raises(ValueError, match="kv_dtype: expected None or torch.bfloat16"):
+    with pytest.raises(ValueError, match="kv_dtype: expected None, torch.bfloat16 or torch.int8"):
         ExactHeadsKernel(make_inner("oal", 6, 3, 8), [0], kv_dtype=torch.float16)
     m = ExactHeadsKernel(make_inner("oal", 6, 3, 8, dtype=torch.float32), [0], kv_dtype=torch.bfloat16)
     q, k, v = (x.float() for x in make_qkv(1, 6, 3, 10, 8))
@@ -223,7 +223,7 @@ def test_bad_kv_dtype_and_state_dtype():
         with pytest.raises(ValueError, match="in torch.bfloat16"):
             m(q, k, v, initial_state=bad)
     cfg = {**kernel_config(m), "kv_dtype": "float16"}
-    with pytest.raises(ValueError, match="kv_dtype expected 'bfloat16'"):
+    with pytest.raises(ValueError, match=r"kv_dtype expected one of \['bfloat16', 'int8'\]"):
         kernel_from_config(cfg)
 
 
@@ -270,10 +270,10 @@ def test_bad_product_dtype():
     inner = make_inner("oal", 6, 3, 8)
     with pytest.raises(ValueError, match="product_dtype: expected None or torch.bfloat16"):
         ExactHeadsKernel(inner, [0], kv_dtype=torch.bfloat16, product_dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"product_dtype: bf16 products need .* got kv_dtype=None"):
+    with pytest.raises(ValueError, match=r"product_dtype: bf16 products need .* int8 .* got kv_dtype=None"):
         ExactHeadsKernel(inner, [0], product_dtype=torch.bfloat16)
     cfg = {**kernel_config(ExactHeadsKernel(inner, [0], kv_dtype=torch.bfloat16)), "product_dtype": "float16"}
-    with pytest.raises(ValueError, match="product_dtype expected 'bfloat16'"):
+    with pytest.raises(ValueError, match=r"product_dtype expected one of \['bfloat16'\]"):
         kernel_from_config(cfg)
 
 
@@ -292,3 +292,91 @@ def test_bf16_products_in_a_bf16_model_are_sdpa():
     assert o.dtype == torch.bfloat16
     bound = 2**-8 * float(v.float().abs().max()) + 2**-8 * float(ref.abs().max())
     assert float((o[:, exact_q].float() - ref).abs().max()) <= bound
+
+
+def test_quantize_int8_per_vector_absmax():
+    """One scale per vector (absmax / 127), rounding half to even, every number within half a step; a zero vector
+    stays zero; bf16 inputs quantise as their fp32 values."""
+    from oal.kernels.hybrid import dequantize_int8, quantize_int8
+
+    x = torch.randn(2, 3, 50, 64) * torch.logspace(-3, 2, 50)[:, None]
+    x[0, 0, 7] = 0
+    q, s = quantize_int8(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == x.shape[:-1]
+    torch.testing.assert_close(s, x.abs().amax(-1).clamp_min(1e-30) / 127, rtol=0, atol=0)
+    assert int(q.abs().max()) == 127 and bool((q.abs().amax(-1)[s > 1e-29] == 127).all())
+    err = (dequantize_int8(q, s) - x).abs()
+    assert bool((err <= s.unsqueeze(-1) * (0.5 + 1e-6)).all())
+    assert bool((q[0, 0, 7] == 0).all())
+    half = torch.tensor([[0.5, 1.5, 2.5, -2.5, 127.0]])  # scale 1: x / scale exactly these
+    assert quantize_int8(half)[0].tolist() == [[0, 2, 2, -2, 127]]
+    xb = x.bfloat16()
+    assert torch.equal(quantize_int8(xb)[0], quantize_int8(xb.float())[0])
+
+
+@pytest.mark.parametrize("kind", ["oal", "sink_window"])
+@pytest.mark.parametrize("products", [None, torch.bfloat16])
+def test_int8_kv_quantises_the_exact_heads_keys_and_values_only(kind, products, spy_fast_path):
+    """kv_dtype=int8: the exact heads attend over their keys and values quantised per token and head and back
+    (int8 and fp32 scales in the state); the kernel heads see the inputs as they are; the fused prompt kernel, the
+    torch path and a prefill + continuation agree; autograd reaches q, k and v (straight through); config round
+    trip."""
+    import oal.kernels.hybrid as hybrid
+    from oal.kernels.hybrid import dequantize_int8, quantize_int8
+    from oal.ops.quadratic import cpu as cpu_kernels
+
+    calls = spy_fast_path(hybrid, "_fused_exact")
+    inner = make_inner(kind, 6, 3, 64, dtype=torch.float32)
+    m = ExactHeadsKernel(inner, [0, 2], kv_dtype=torch.int8, product_dtype=products)
+    ref_kv = torch.bfloat16 if products is not None else None  # the same products on the dequantised numbers
+    plain = ExactHeadsKernel(inner, [0, 2], kv_dtype=ref_kv, product_dtype=products)
+    q, k, v = (x.float() for x in make_qkv(1, 6, 3, 300, 64))
+    kr, vr = k.clone(), v.clone()
+    kr[:, [0, 2]] = dequantize_int8(*quantize_int8(k[:, [0, 2]]))
+    vr[:, [0, 2]] = dequantize_int8(*quantize_int8(v[:, [0, 2]]))
+    with torch.no_grad():
+        o, state = m(q, k, v, output_final_state=True)
+        with cpu_kernels.disabled():
+            o_torch, _ = m(q, k, v)
+        want, _ = plain(q, kr, vr)
+        head, st = m(q[:, :, :170], k[:, :, :170], v[:, :, :170], output_final_state=True)
+        tail, _ = m(q[:, :, 170:], k[:, :, 170:], v[:, :, 170:], initial_state=st)
+        unrounded, _ = ExactHeadsKernel(inner, [0, 2])(q, k, v)
+    if cpu_kernels.load("window") is not None:
+        assert calls[:2] == [True, False] and all(calls[2:])
+    assert state.k.dtype == state.v.dtype == torch.int8
+    assert state.k_scale.shape == state.v_scale.shape == (1, 2, 300) and state.k_scale.dtype == torch.float32
+    qk, sk = quantize_int8(k[:, [0, 2]])
+    assert torch.equal(state.k[:, :, :300], qk) and torch.equal(state.k_scale[:, :, :300], sk)
+    exact_q, kernel_q = group_q([0, 2], 2), group_q([1], 2)
+    torch.testing.assert_close(o[:, exact_q], want[:, exact_q], atol=1e-5, rtol=1e-5)
+    bound = 2**-8 * float(v.abs().max()) if products is not None else 1e-5
+    for other in (o_torch, torch.cat([head, tail], 2)):
+        assert float((other[:, exact_q] - o[:, exact_q]).abs().max()) <= bound
+    torch.testing.assert_close(o[:, kernel_q], unrounded[:, kernel_q], atol=1e-6, rtol=1e-5)
+    assert float((o[:, exact_q] - unrounded[:, exact_q]).abs().max()) > 1e-4  # the quantisation is applied
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    o_grad, _ = m(qg, kg, vg)
+    o_grad.sum().backward()
+    assert all(x.grad is not None and bool(torch.isfinite(x.grad).all()) for x in (qg, kg, vg))
+    assert float(kg.grad[:, [0, 2]].abs().max()) > 0
+    assert float((o_grad.detach()[:, exact_q] - o[:, exact_q]).abs().max()) <= 2**-8 * float(v.abs().max())
+    cfg = kernel_config(m)
+    assert cfg["kv_dtype"] == "int8"
+    back = kernel_from_config(cfg)
+    assert back.kv_dtype == torch.int8 and back.product_dtype == products
+    assert "kv_dtype=torch.int8" in repr(m)
+
+
+def test_int8_state_needs_its_scales():
+    m = ExactHeadsKernel(make_inner("oal", 6, 3, 8, dtype=torch.float32), [0], kv_dtype=torch.int8)
+    q, k, v = (x.float() for x in make_qkv(1, 6, 3, 10, 8))
+    with torch.no_grad():
+        _, st = m(q, k, v, output_final_state=True)
+        with pytest.raises(ValueError, match="expected k_scale and v_scale"):
+            m(q, k, v, initial_state=st._replace(k_scale=None))
+        with pytest.raises(ValueError, match="fp32 scales of shape"):
+            m(q, k, v, initial_state=st._replace(v_scale=st.v_scale[:, :, :5]))
+        bf16 = ExactHeadsKernel(make_inner("oal", 6, 3, 8, dtype=torch.float32), [0], kv_dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="in torch.bfloat16"):
+            bf16(q, k, v, initial_state=st)

@@ -222,3 +222,20 @@ def test_bf16_model_keeps_bf16_keys_exactly(kind, d):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         else:
             assert a == b
+
+
+@pytest.mark.parametrize("kind", ["exact+oal", "exact+sink_window"])
+def test_int8_exact_heads_in_the_kept_form(kind):
+    """A short prompt's kept form with an 8-bit exact cache: the exact heads' keys and values quantised (with their
+    scales) beside the kernel heads' kept ones, decoded across the fold: the kernel's own one pass, which
+    quantises the same numbers."""
+    Hq, Hkv, d = 9, 3, 16
+    base = make_kernel(kind, Hq, Hkv, d, exact=(1,))
+    kernel = ExactHeadsKernel(base.inner, base.exact_kv_heads, torch.int8)
+    q, k, v = (x.float() for x in make_qkv(2, Hq, Hkv, 130, d))
+    got, state, lengths = run_kept(kernel, q, k, v, 20)
+    assert lengths[0] == 20 and lengths[-1] is None  # kept, then folded
+    assert state.k.dtype == torch.int8 and state.k_scale.shape == state.k.shape[:3]
+    with torch.no_grad():
+        want, _ = kernel(q, k, v)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

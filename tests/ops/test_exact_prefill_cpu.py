@@ -68,7 +68,7 @@ def test_bad_inputs_are_named():
     q, k, v = inputs(1, 2, 3, 10, 0, 8, 8)
     with pytest.raises(RuntimeError, match="k, v: expected"):
         ext.exact_prefill(q, k, v, 4, 0.1)  # 10 keys for past 4 + 10 queries
-    with pytest.raises(RuntimeError, match="k, v: expected CPU float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="k, v: expected CPU float32, bfloat16 or int8"):
         ext.exact_prefill(q, k.double(), v.double(), 0, 0.1)
     with pytest.raises(RuntimeError, match="rows contiguous"):
         ext.exact_prefill(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, 0, 0.1)
@@ -161,3 +161,37 @@ def test_bf16_product_reference_rounds_queries_and_weights():
     assert 1e-5 < gap < 0.05
     with pytest.raises(ValueError, match="inference-only"):
         hybrid.bf16_product_attention(q[0].requires_grad_(), k[0], v[0], 0, 0.125)
+
+
+@pytest.mark.parametrize("bf16_products", [False, True])
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("N, past, G", [(1, 0, 3), (63, 37, 1), (1000, 0, 3), (130, 200, 3)])
+def test_int8_keys_and_values_are_their_dequantised_numbers(bf16_products, native, N, past, G):
+    """int8 keys and values with per-token scales (an 8-bit exact cache) give what their dequantised fp32 numbers
+    give, bit for bit (the packing dequantises, then rounds to bf16 for bf16 products); scales lying apart in a
+    buffer with room, as the cache holds them."""
+    q, k, v = inputs(2, 2, G, N, past, 64, 64)
+    (qk, sk), (qv, sv) = hybrid.quantize_int8(k), hybrid.quantize_int8(v)
+    ext = cpu_kernel.load("window")
+    want = ext.exact_prefill(
+        q, hybrid.dequantize_int8(qk, sk), hybrid.dequantize_int8(qv, sv), past, 0.125, bf16_products, native
+    )
+    room = torch.zeros(2, 2, past + N + 9)
+    ks, vs = room.clone(), room.clone()
+    ks[:, :, : past + N], vs[:, :, : past + N] = sk, sv
+    got = ext.exact_prefill(
+        q, qk, qv, past, 0.125, bf16_products, native, k_scale=ks[:, :, : past + N], v_scale=vs[:, :, : past + N]
+    )
+    assert torch.equal(got, want)
+
+
+def test_int8_needs_scales_and_only_int8_takes_them():
+    ext = cpu_kernel.load("window")
+    q, k, v = inputs(1, 2, 3, 10, 0, 8, 8)
+    (qk, sk), (qv, sv) = hybrid.quantize_int8(k), hybrid.quantize_int8(v)
+    with pytest.raises(RuntimeError, match="k_scale, v_scale: int8 keys and values need"):
+        ext.exact_prefill(q, qk, qv, 0, 0.1)
+    with pytest.raises(RuntimeError, match="k_scale, v_scale: int8 keys and values need"):
+        ext.exact_prefill(q, qk, qv, 0, 0.1, k_scale=sk[:, :, :5], v_scale=sv)
+    with pytest.raises(RuntimeError, match="only for int8"):
+        ext.exact_prefill(q, k, v, 0, 0.1, k_scale=sk, v_scale=sv)

@@ -67,7 +67,8 @@ def convert(
         typer.Option(
             "--recipe",
             help="Run a whole conversion recipe (calibration, exact heads; oal.conversion.recipe) instead: "
-            "'retrieval' (the default recipe), 'retrieval-fp32kv' (its exact keys/values in fp32), "
+            "'retrieval' (the default recipe), 'retrieval-int8kv' (its exact keys/values in int8), "
+            "'retrieval-fp32kv' (in fp32), "
             "'retrieval-copy' / 'retrieval-bf16kv' (copy-score heads only: no 8k retrieval) or 'kernel-only'. "
             "--kernel/--layers/--calibrated/--groups then do not apply.",
         ),
@@ -75,9 +76,27 @@ def convert(
     data: Annotated[Path | None, typer.Option("--data", help="With --recipe: data folder (default $OAL_DATA_DIR).")] = (
         None
     ),
+    exact_kv_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--exact-kv-dtype",
+            help="Re-store an already converted --model's exact heads' keys and values in 'bfloat16', 'int8' (the "
+            "8-bit exact cache) or 'model' (its dtype) and save it to --out; nothing else changes or runs.",
+        ),
+    ] = None,
 ) -> None:
     """Replace the attention of a layer range by a kernel and save the converted model (loads with
-    `oal.models.load_model(DIR)`), or run a whole conversion recipe (`--recipe retrieval`)."""
+    `oal.models.load_model(DIR)`), run a whole conversion recipe (`--recipe retrieval`), or re-store a converted
+    model's exact keys and values in another dtype (`--exact-kv-dtype int8`)."""
+    if exact_kv_dtype is not None:
+        if recipe is not None or layers or calibrated is not None or groups is not None or kernel != "oal":
+            raise typer.BadParameter(
+                "--exact-kv-dtype re-saves a converted model as it is; leave --recipe/--kernel/--layers/--calibrated/"
+                "--groups out",
+                param_hint="--exact-kv-dtype",
+            )
+        _restore_kv(model, out, exact_kv_dtype, overwrite)
+        return
     if recipe is not None:
         from .recipe import RECIPES, run_recipe
 
@@ -126,6 +145,45 @@ def convert(
         f"converted {len(layer_list)} layers ({layer_list[0]}–{layer_list[-1]}) of {model} to {kernel!r}"
         f"{' from calibrated parameters' if calibrated else ''}; wrote {out}"
     )
+
+
+def _restore_kv(model: str, out: Path, kv_dtype: str, overwrite: bool) -> None:
+    """``oal convert --exact-kv-dtype``: the converted ``model`` with its exact keys and values in ``kv_dtype``,
+    saved to ``out`` (kernels only where ``model`` was, with its recipe record, the dtype updated, beside it)."""
+    import json
+
+    import torch
+
+    from ..io import write_json
+    from ..models import load_model, load_tokenizer
+    from .convert import conversion_info, save_converted
+    from .heads import set_exact_kv_dtype
+
+    dtypes = {"bfloat16": torch.bfloat16, "int8": torch.int8, "model": None}
+    if kv_dtype not in dtypes:
+        raise typer.BadParameter(
+            f"expected one of {', '.join(dtypes)}, got {kv_dtype!r}", param_hint="--exact-kv-dtype"
+        )
+    console = Console(stderr=True)
+    try:
+        with console.status(f"loading {model}"):
+            base = load_model(model)
+            tokenizer = load_tokenizer(model)
+        info = conversion_info(base)
+        if info is None:
+            raise ValueError(f"--model: {model} is not a converted model (no oal_conversion in its config)")
+        layers = set_exact_kv_dtype(base, dtypes[kv_dtype])
+        with console.status(f"writing {out}"):
+            save_converted(base, out, tokenizer=tokenizer, overwrite=overwrite, base_weights=info.get("base_weights"))
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        raise _bad(err) from err
+    record = Path(model) / "recipe.json"
+    if record.is_file():
+        data = json.loads(record.read_text())
+        data["recipe"] = {**data["recipe"], "exact_kv_dtype": None if kv_dtype == "model" else kv_dtype}
+        data["restored_from"] = str(model)
+        write_json(out / "recipe.json", data)
+    console.print(f"exact keys and values of {layers} layers of {model} now in {kv_dtype}; wrote {out}")
 
 
 def generate(

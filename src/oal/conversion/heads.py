@@ -35,6 +35,7 @@ __all__ = [
     "output_errors",
     "rank_heads",
     "retrieval_head_scores",
+    "set_exact_kv_dtype",
 ]
 
 
@@ -175,6 +176,22 @@ def add_exact_heads(
     record = {str(layer): list(k.exact_kv_heads) for layer, k in wrapped.items()}
     setattr(model.config, CONFIG_KEY, {**info, "exact_heads": record})
     return model
+
+
+def set_exact_kv_dtype(model: PreTrainedModel, kv_dtype: torch.dtype | None) -> int:
+    """Store the exact heads' keys and values of every :class:`ExactHeadsKernel` of ``model`` in ``kv_dtype`` (None:
+    the model's dtype, ``torch.bfloat16`` or ``torch.int8``, the 8-bit exact cache) from now on, in place; their
+    products keep their dtype. Nothing else changes (the dtype is what a recipe applies when it saves, after every
+    stage). Returns the number of layers changed; raises where a kernel's bf16 products would lose the bf16 or int8
+    keys they need."""
+    kernels = [k for k in attached_kernels(model).values() if isinstance(k, ExactHeadsKernel)]
+    if not kernels:
+        raise ValueError("model: no layer has exact heads (ExactHeadsKernel) whose keys and values could be re-stored")
+    for kernel in kernels:  # the constructor's checks, before any kernel changes
+        ExactHeadsKernel(kernel.inner, kernel.exact_kv_heads, kv_dtype, kernel.product_dtype)
+    for kernel in kernels:
+        kernel.kv_dtype = kv_dtype
+    return len(kernels)
 
 
 class _GatedKernel(AttentionKernel):

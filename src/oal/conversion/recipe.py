@@ -26,7 +26,8 @@
    AVX512_BF16 the prompt's exact heads run ~1.6× faster. Applied when the model is saved, after every stage
    above (none of which runs the exact heads).
 
-``retrieval-fp32products`` is the default with fp32 products, ``retrieval-fp32kv`` with fp32 exact keys and
+``retrieval-fp32products`` is the default with fp32 products, ``retrieval-int8kv`` with int8 exact keys and
+values (an 8-bit exact cache, one fp32 scale per token and head), ``retrieval-fp32kv`` with fp32 exact keys and
 values (and products). ``retrieval-copy`` is the recipe of stops
 19–21 (the 20 copy-score heads only, fp32), ``retrieval-bf16kv`` the same with bf16 exact keys and values;
 both keep 1k–4k retrieval and lose 8k. ``kernel-only`` keeps no exact head and no β offset.
@@ -76,7 +77,7 @@ class Recipe:
     score_prompts: int = 6
     seed: int = 0
     exact_kv_dtype: str | None = "bfloat16"  # None: the exact heads' keys and values in the model's dtype
-    exact_product_dtype: str | None = "bfloat16"  # None: their products in the model's dtype (needs bf16 kv)
+    exact_product_dtype: str | None = "bfloat16"  # None: their products in the model's dtype (needs bf16 or int8 kv)
     error_heads: int = 28
     error_len: int = 8192
     error_offset: int = 32768
@@ -85,6 +86,8 @@ class Recipe:
 RECIPES = {
     "retrieval": Recipe("retrieval"),
     "retrieval-fp32products": Recipe("retrieval-fp32products", exact_product_dtype=None),
+    # the 8-bit exact cache (ExactHeadsKernel kv_dtype int8: one fp32 scale per token and head)
+    "retrieval-int8kv": Recipe("retrieval-int8kv", exact_kv_dtype="int8"),
     "retrieval-fp32kv": Recipe("retrieval-fp32kv", exact_kv_dtype=None, exact_product_dtype=None),
     # stops 19–21: copy-score heads only (1k–4k retrieval, not 8k)
     "retrieval-copy": Recipe("retrieval-copy", exact_kv_dtype=None, exact_product_dtype=None, error_heads=0),

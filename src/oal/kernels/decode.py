@@ -103,12 +103,12 @@ def _usable(kernel, q, k, v) -> bool:
 
 
 def _grown(x: torch.Tensor, used: int) -> torch.Tensor:
-    """``x (B, E, cap, ·)`` with room for slot ``used``: itself if it has it, else a copy of its first ``used``
-    slots in a buffer of ``used + GROWTH`` slots."""
+    """``x (B, E, cap, ·)`` (or an int8 cache's scales ``(B, E, cap)``) with room for slot ``used``: itself if it
+    has it, else a copy of its first ``used`` slots in a buffer of ``used + GROWTH`` slots."""
     if x.shape[2] > used and x.is_contiguous():
         return x
     kept_form.note_regrown()
-    out = x.new_empty(x.shape[0], x.shape[1], used + GROWTH, x.shape[3])
+    out = x.new_empty(x.shape[0], x.shape[1], used + GROWTH, *x.shape[3:])
     out[:, :, :used] = x[:, :, :used]
     return out
 
@@ -136,14 +136,20 @@ def decode_step(
             inner = state.inner if isinstance(state, ExactHeadsState) else state
         else:
             inner = kept_form.grown(inner, limit)
-    ex_k = ex_v = _EMPTY
+    ex_k = ex_v = ex_ks = ex_vs = _EMPTY
     if isinstance(kernel, ExactHeadsKernel):
         if not isinstance(state, ExactHeadsState) or state.offset != past:
             return None
         ex_k, ex_v = _grown(state.k, past), _grown(state.v, past)
-        # the exact heads' keys and values: fp32, or bf16 (kv_dtype)
+        # the exact heads' keys and values: fp32, bf16 or int8 with fp32 scales (kv_dtype)
         if not _on_cpu(ex_k, ex_v, dtype=kernel.kv_dtype or torch.float32):
             return None
+        if kernel.kv_dtype == torch.int8:
+            if state.k_scale is None or state.v_scale is None:
+                return None
+            ex_ks, ex_vs = _grown(state.k_scale, past), _grown(state.v_scale, past)
+            if not _on_cpu(ex_ks, ex_vs):
+                return None
     kept = isinstance(inner, kept_form.KeptKV)
     S = sink_k = sink_v = win_k = win_v = kept_k = kept_v = _EMPTY
     if rest and kept:
@@ -175,6 +181,8 @@ def decode_step(
         exact_idx,
         ex_k,
         ex_v,
+        ex_ks,
+        ex_vs,
         kern_idx,
         S,
         wq,
@@ -203,7 +211,8 @@ def decode_step(
     elif rest:
         new_inner = SinkWindowState(S, sink_k, sink_v, win_k, win_v, past + 1) if sw is not None else S
     if isinstance(kernel, ExactHeadsKernel):
-        return out.view(B, Hq, 1, dv), ExactHeadsState(ex_k, ex_v, new_inner, past + 1)
+        scales = (ex_ks, ex_vs) if kernel.kv_dtype == torch.int8 else (None, None)
+        return out.view(B, Hq, 1, dv), ExactHeadsState(ex_k, ex_v, new_inner, past + 1, *scales)
     return out.view(B, Hq, 1, dv), new_inner
 
 
@@ -249,6 +258,8 @@ def softmax_decode_step(
         torch.arange(Hkv),
         k_buf,
         v_buf,
+        _EMPTY,
+        _EMPTY,
         torch.empty(0, dtype=torch.long),
         _EMPTY,
         _EMPTY.view(0, 0),

@@ -25,7 +25,14 @@ from .base import AttentionKernel, check_positions, context_end, in_prompt, repe
 from .oal import OALKernel, oal_attention, oal_coefficients, oal_factor
 from .sink_window import SinkWindowKernel
 
-__all__ = ["ExactHeadsKernel", "ExactHeadsState", "EXACT_HEADS", "bf16_product_attention"]
+__all__ = [
+    "ExactHeadsKernel",
+    "ExactHeadsState",
+    "EXACT_HEADS",
+    "bf16_product_attention",
+    "dequantize_int8",
+    "quantize_int8",
+]
 
 EXACT_HEADS = "exact-heads"
 
@@ -37,12 +44,39 @@ class ExactHeadsState(NamedTuple):
     slots ``0 … offset-1`` (they grow with the context, like a KV cache; capacity ≥ offset, the slots past
     offset are spare room the in-place decode step of :mod:`oal.kernels.decode` writes into); ``inner``: the
     inner kernel's state over the other KV heads (constant size), None when every KV head is exact.
+    ``k_scale``, ``v_scale (B, E, capacity)`` fp32: with int8 keys and values (``kv_dtype=torch.int8``) each
+    slot's scale (:func:`quantize_int8`), else None.
     """
 
     k: torch.Tensor
     v: torch.Tensor
     inner: object | None
     offset: int
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x (..., n)`` -> ``(int8 (..., n), scale (...) fp32)``: each vector over its last dimension quantised
+    symmetrically with its own scale ``max(absmax, 1e-30) / 127``, ``x / scale`` rounded half to even and clamped
+    to ±127 (the 8-bit exact cache: one scale per token and head, as KIVI's and HF's quantised caches keep per group).
+    ``decode.cpp`` quantises a decode step's new key with the same operations, bit for bit."""
+    xf = x.float()
+    scale = xf.abs().amax(-1).clamp_min(1e-30) / 127
+    return (xf / scale.unsqueeze(-1)).round().clamp_(-127, 127).to(torch.int8), scale
+
+
+def dequantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 numbers ``x · scale`` an int8 vector stands for (``x (..., n)`` int8, ``scale (...)``)."""
+    return x.float() * scale.unsqueeze(-1)
+
+
+def _stored(x: torch.Tensor, kv_dtype: torch.dtype | None) -> torch.Tensor:
+    """``x`` as the exact heads' cache gives it back, in x's dtype: rounded to bf16, quantised to int8 and back, or
+    itself (``kv_dtype`` None)."""
+    if kv_dtype == torch.int8:
+        return dequantize_int8(*quantize_int8(x)).to(x.dtype)
+    return x if kv_dtype is None else x.to(kv_dtype).to(x.dtype)
 
 
 def _check_heads(exact_kv_heads: Iterable[int], num_kv_heads: int) -> tuple[int, ...]:
@@ -111,12 +145,25 @@ def bf16_product_attention(
     return out
 
 
+def _straight_through(x: torch.Tensor) -> torch.Tensor:
+    """``x`` quantised to int8 and back in the forward pass, its gradient passed through unchanged."""
+    return x + (_stored(x, torch.int8) - x).detach()
+
+
 def _fused_exact(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float, bf16_products: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past: int,
+    scale: float,
+    bf16_products: bool = False,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """``ExactHeadsKernel._exact_forward`` through the fused CPU kernel, or None where it does not apply (autograd,
-    not CPU, q not fp32, keys/values not fp32 or bf16, no extension)."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype not in (torch.float32, torch.bfloat16):
+    not CPU, q not fp32, keys/values not fp32, bf16 or int8 with ``scales``, no extension)."""
+    if q.device.type != "cpu" or q.dtype != torch.float32:
+        return None
+    if k.dtype not in (torch.float32, torch.bfloat16, torch.int8) or (k.dtype == torch.int8) != (scales is not None):
         return None
     if v.dtype != k.dtype or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
         return None
@@ -125,6 +172,7 @@ def _fused_exact(
         return None
     B, Eg, N, d = q.shape
     E = k.shape[1]
+    extra = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
     out = ext.exact_prefill(
         q.reshape(B, E, Eg // E, N, d).contiguous(),
         _rows_contiguous(k),
@@ -132,6 +180,7 @@ def _fused_exact(
         past,
         scale,
         bf16_products,
+        **extra,
     )
     return out.view(B, Eg, N, v.shape[-1])
 
@@ -141,14 +190,17 @@ class ExactHeadsKernel(AttentionKernel):
 
     ``inner`` is an :class:`OALKernel` / :class:`GlobalQuadraticKernel` or a :class:`SinkWindowKernel` around one,
     built for all ``Hq`` heads. ``forward`` returns an :class:`ExactHeadsState` as its recurrent state.
-    ``kv_dtype`` (``torch.bfloat16`` or None): the dtype the exact heads' keys and values are stored in, and rounded
-    to before they are used, also within a prompt (None: the inputs' dtype). bf16 halves the growing part of the
-    cache and what a decode step reads of it; the attention itself computes in the inputs' dtype.
-    ``product_dtype`` (``torch.bfloat16`` or None, only with ``kv_dtype=torch.bfloat16``): the exact heads' two
+    ``kv_dtype`` (``torch.bfloat16``, ``torch.int8`` or None): the dtype the exact heads' keys and values are stored
+    in, and rounded to before they are used, also within a prompt (None: the inputs' dtype). bf16 halves the growing
+    part of the cache and what a decode step reads of it; int8 (an 8-bit exact cache, :func:`quantize_int8`: one fp32
+    scale per token and head beside the 8-bit numbers) takes 68 of bf16's 128 bytes per 64-number vector; the
+    attention itself computes in the inputs' dtype, on the dequantised numbers.
+    ``product_dtype`` (``torch.bfloat16`` or None, only with ``kv_dtype`` bf16 or int8): the exact heads' two
     products take bf16 operands with fp32 sums: the scaled queries and the softmax weights are rounded to bf16
     before they meet the keys and values (:func:`bf16_product_attention`), which AVX512_BF16 computes at twice the
-    fp32 rate. Under autograd (training) only the queries are rounded (straight through) and the weights stay fp32
-    (SDPA and its fused backward): outputs within 2^-8 · max |v| of the rounded weights'.
+    fp32 rate (int8 keys and values: their dequantised numbers rounded to bf16 as well). Under autograd (training)
+    only the queries are rounded (straight through) and the weights stay fp32 (SDPA and its fused backward): outputs
+    within 2^-8 · max |v| of the rounded weights'; int8 keys and values are quantised straight through as well.
     """
 
     cpu_extensions = ("chunk", "decode", "window")  # the exact part's prompt kernel
@@ -164,14 +216,14 @@ class ExactHeadsKernel(AttentionKernel):
             raise ValueError(
                 f"inner: expected an OALKernel, GlobalQuadraticKernel or SinkWindowKernel, got {type(inner).__name__}"
             )
-        if kv_dtype not in (None, torch.bfloat16):
-            raise ValueError(f"kv_dtype: expected None or torch.bfloat16, got {kv_dtype!r}")
+        if kv_dtype not in (None, torch.bfloat16, torch.int8):
+            raise ValueError(f"kv_dtype: expected None, torch.bfloat16 or torch.int8, got {kv_dtype!r}")
         if product_dtype not in (None, torch.bfloat16):
             raise ValueError(f"product_dtype: expected None or torch.bfloat16, got {product_dtype!r}")
-        if product_dtype is not None and kv_dtype != torch.bfloat16:
+        if product_dtype is not None and kv_dtype not in (torch.bfloat16, torch.int8):
             raise ValueError(
-                f"product_dtype: bf16 products need the keys and values stored in bf16 (kv_dtype=torch.bfloat16), "
-                f"got kv_dtype={kv_dtype!r}"
+                f"product_dtype: bf16 products need the keys and values stored in bf16 or int8 (kv_dtype="
+                f"torch.bfloat16 or torch.int8), got kv_dtype={kv_dtype!r}"
             )
         super().__init__(inner.num_heads, inner.num_kv_heads, inner.head_dim)
         self.inner = inner
@@ -203,7 +255,7 @@ class ExactHeadsKernel(AttentionKernel):
         positions = check_positions(positions, q.shape[2])
         w = self.inner.weights(q, k, positions)
         qs = _heads(q, self._exact_q)[:, :, positions].to(w.dtype)
-        ke = _heads(k, self.exact_kv_heads).to(self.kv_dtype or k.dtype)
+        ke = _stored(_heads(k, self.exact_kv_heads), self.kv_dtype)
         ke = repeat_kv(ke.to(w.dtype), len(self._exact_q))
         if self.product_dtype is None:
             logits = (qs @ ke.mT) * self.scale
@@ -256,17 +308,27 @@ class ExactHeadsKernel(AttentionKernel):
             kernel_floor=oal.eps,
         )
 
-    def _exact_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+    def _exact_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        past: int,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Causal softmax of the N new queries ``q (B, Eg, N, d)`` over ``past`` cached + N new keys ``k (B, E,
-        past + N, d)``, ``v`` (stored dtype: fp32, or bf16 with ``kv_dtype``). Without autograd on CPU fp32 it is
-        one fused call (``window.cpp``'s ``exact_prefill``: flash-style, each key read once for a KV head's query
-        heads); otherwise SDPA on the keys and values cast to q's dtype. With bf16 products: the fused call, else
-        :func:`bf16_product_attention` without autograd, SDPA on the rounded scaled queries with it, and for bf16
-        queries (a bf16 model) SDPA as it is (its bf16 products are these, within the same bound)."""
+        past + N, d)``, ``v`` (stored dtype: fp32, bf16, or int8 with ``scales`` ``(B, E, past + N)`` each). Without
+        autograd on CPU fp32 it is one fused call (``window.cpp``'s ``exact_prefill``: flash-style, each key read
+        once for a KV head's query heads, int8 dequantised as it packs them); otherwise SDPA on the keys and values
+        (dequantised) cast to q's dtype. With bf16 products: the fused call, else :func:`bf16_product_attention`
+        without autograd, SDPA on the rounded scaled queries with it, and for bf16 queries (a bf16 model) SDPA as it
+        is (its bf16 products are these, within the same bound)."""
         bf16_products = self.product_dtype is not None
-        fused = _fused_exact(q, k, v, past, self.scale, bf16_products)
+        fused = _fused_exact(q, k, v, past, self.scale, bf16_products, scales)
         if fused is not None:
             return fused
+        if scales is not None:
+            k, v = dequantize_int8(k, scales[0]), dequantize_int8(v, scales[1])
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         if bf16_products and not grad and q.dtype != torch.bfloat16:
             return bf16_product_attention(q, k, v, past, self.scale).to(q.dtype)
@@ -314,6 +376,7 @@ class ExactHeadsKernel(AttentionKernel):
             )
         ex = self.exact_kv_heads
         kv_dtype = self.kv_dtype or k.dtype
+        int8 = kv_dtype == torch.int8
         B, n = k.shape[0], k.shape[2]
         past = 0
         inner_state = None
@@ -336,22 +399,47 @@ class ExactHeadsKernel(AttentionKernel):
                     f"{kv_dtype} and values of the same length, got {tuple(sk.shape)} in {sk.dtype} and "
                     f"{tuple(sv.shape)} in {sv.dtype}"
                 )
+            scales = (initial_state.k_scale, initial_state.v_scale)
+            if int8 != (scales[0] is not None) or int8 != (scales[1] is not None):
+                raise ValueError(
+                    f"initial_state: expected k_scale and v_scale {'(int8 keys)' if int8 else 'None'}, got "
+                    f"{[None if x is None else tuple(x.shape) for x in scales]}"
+                )
+            if int8 and any(tuple(x.shape) != tuple(sk.shape[:3]) or x.dtype != torch.float32 for x in scales):
+                raise ValueError(
+                    f"initial_state: expected fp32 scales of shape {tuple(sk.shape[:3])}, got "
+                    f"{[(tuple(x.shape), x.dtype) for x in scales]}"
+                )
             inner_state = initial_state.inner
+            old = (sk, sv) + (scales if int8 else ())
             if output_final_state and in_prompt() and sk.shape[2] >= past + n:
                 # a prompt in chunks (its caller owns the state): this chunk's keys and values go into the room
                 # its first chunk made, instead of a copy of all the past ones per chunk
-                buf_k, buf_v = sk, sv
+                bufs = old
             else:
-                buf_k, buf_v = self._exact_buffers(
-                    k, v, kv_dtype, context_end(past + n) if output_final_state else past + n
-                )
-                buf_k[:, :, :past], buf_v[:, :, :past] = sk[:, :, :past], sv[:, :, :past]
+                bufs = self._exact_buffers(k, v, kv_dtype, context_end(past + n) if output_final_state else past + n)
+                for buf, x in zip(bufs, old, strict=True):
+                    buf[:, :, :past] = x[:, :, :past]
         else:
-            buf_k, buf_v = self._exact_buffers(k, v, kv_dtype, context_end(n) if output_final_state else n)
-        buf_k[:, :, past : past + n] = _heads(k, ex)
-        buf_v[:, :, past : past + n] = _heads(v, ex)
-        ke, ve = buf_k[:, :, : past + n], buf_v[:, :, : past + n]
-        oe = self._exact_forward(_heads(q, self._exact_q), ke, ve, past).to(q.dtype)
+            bufs = self._exact_buffers(k, v, kv_dtype, context_end(n) if output_final_state else n)
+        kn, vn = _heads(k, ex), _heads(v, ex)
+        if int8:
+            (qk, sk), (qv, sv) = quantize_int8(kn), quantize_int8(vn)
+            for buf, x in zip(bufs, (qk, qv, sk, sv), strict=True):
+                buf[:, :, past : past + n] = x
+        else:
+            bufs[0][:, :, past : past + n], bufs[1][:, :, past : past + n] = kn, vn
+        qe = _heads(q, self._exact_q)
+        if int8 and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            # training: the cached keys are constants, the new ones quantised straight through
+            ke, ve = (
+                torch.cat([dequantize_int8(b[:, :, :past], sc[:, :, :past]).to(x.dtype), _straight_through(x)], 2)
+                for b, sc, x in ((bufs[0], bufs[2], kn), (bufs[1], bufs[3], vn))
+            )
+            oe = self._exact_forward(qe, ke, ve, past).to(q.dtype)
+        else:
+            live = tuple(b[:, :, : past + n] for b in bufs)
+            oe = self._exact_forward(qe, live[0], live[1], past, live[2:] if int8 else None).to(q.dtype)
         new_inner = None
         if not self._kernel_q:
             o = oe
@@ -374,12 +462,28 @@ class ExactHeadsKernel(AttentionKernel):
             _put_heads(o, self._kernel_q, oi)
         if not output_final_state:
             return o, None
-        return o, ExactHeadsState(buf_k, buf_v, new_inner, past + n)
+        return o, ExactHeadsState(bufs[0], bufs[1], new_inner, past + n, *bufs[2:])
 
-    def _exact_buffers(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, capacity: int):
-        """Empty ``(B, E, capacity, ·)`` key and value buffers of the exact heads in ``dtype``."""
+    def _exact_buffers(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, capacity: int) -> tuple:
+        """Empty ``(B, E, capacity, ·)`` key and value buffers of the exact heads in ``dtype``, and for int8 their
+        ``(B, E, capacity)`` fp32 scale buffers after them."""
         E = len(self.exact_kv_heads)
-        return (
+        bufs = (
             k.new_empty(k.shape[0], E, capacity, k.shape[-1], dtype=dtype),
             v.new_empty(v.shape[0], E, capacity, v.shape[-1], dtype=dtype),
         )
+        if dtype == torch.int8:
+            bufs += tuple(k.new_empty(k.shape[0], E, capacity, dtype=torch.float32) for _ in range(2))
+        return bufs
+
+    def exact_state(self, k: torch.Tensor, v: torch.Tensor, inner: object, offset: int) -> ExactHeadsState:
+        """The state after a prompt whose keys ``k (B, Hkv, offset, d)`` and values ``v`` were all seen, with
+        ``inner`` as the kernel heads' state: the exact heads' keys and values stored in ``kv_dtype`` (quantised for
+        int8), no spare room."""
+        kv_dtype = self.kv_dtype or k.dtype
+        kn, vn = _heads(k, self.exact_kv_heads), _heads(v, self.exact_kv_heads)
+        if kv_dtype != torch.int8:  # own contiguous copies (the heads may be a view of the prompt's k and v)
+            kn, vn = (x.to(kv_dtype, memory_format=torch.contiguous_format, copy=True) for x in (kn, vn))
+            return ExactHeadsState(kn, vn, inner, offset)
+        (qk, sk), (qv, sv) = quantize_int8(kn), quantize_int8(vn)
+        return ExactHeadsState(qk, qv, inner, offset, sk, sv)

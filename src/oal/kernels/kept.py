@@ -161,8 +161,7 @@ def start(
     # first decode step grows the buffers by KEPT_GROWTH
     kept = KeptKV(_buffer(_kept_heads(kernel, k), n, dtype), _buffer(_kept_heads(kernel, v), n, dtype), n)
     if isinstance(kernel, ExactHeadsKernel):
-        ex, kv_dtype = list(kernel.exact_kv_heads), kernel.kv_dtype or k.dtype
-        return o, ExactHeadsState(k[:, ex].to(kv_dtype), v[:, ex].to(kv_dtype), kept, n)
+        return o, kernel.exact_state(k, v, kept, n)
     return o, kept
 
 

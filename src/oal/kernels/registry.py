@@ -136,11 +136,11 @@ def kernel_from_config(config: dict[str, Any]) -> AttentionKernel:
                 f"'product_dtype') for {EXACT_HEADS!r}, got {sorted(cfg)}"
             )
         dtypes = {}
-        for key in ("kv_dtype", "product_dtype"):
+        for key, allowed in (("kv_dtype", ("bfloat16", "int8")), ("product_dtype", ("bfloat16",))):
             value = cfg.get(key)
-            if value not in (None, "bfloat16"):
-                raise ValueError(f"config: {key} expected 'bfloat16' or absent, got {value!r}")
-            dtypes[key] = None if value is None else torch.bfloat16
+            if value is not None and value not in allowed:
+                raise ValueError(f"config: {key} expected one of {list(allowed)} or absent, got {value!r}")
+            dtypes[key] = None if value is None else getattr(torch, value)
         return ExactHeadsKernel(kernel_from_config(cfg["inner"]), cfg["exact_kv_heads"], **dtypes)
     if name in BASELINES:
         return BASELINES[name].from_config(config)

@@ -15,6 +15,9 @@
 // * exact heads (../../../kernels/hybrid.py): the new key/value is written at slot t of the head's buffer and
 //   each query head of the group attends, softmax, over keys 0 … t (the buffer is read once per KV head), in
 //   parts of EXACT_BLOCK keys run as separate tasks and combined by their maxima (split-K, as flash-decoding).
+//   Stored in fp32, bf16, or int8 with one fp32 scale per token and head (the 8-bit exact cache: the new key is
+//   quantised here as hybrid.py's quantize_int8 does, bit for bit; keys and values are widened and dequantised in
+//   registers, rounded to bf16 with bf16 products as the prompt kernel's packing rounds them).
 //
 // * kept kernel heads (../../../kernels/kept.py: below the memory crossover the cache keeps a kernel head's keys and
 //   values instead of its state): the new key/value is written at slot t, and the kernel part is evaluated from the
@@ -174,7 +177,8 @@ void kernel_rows(const KernelHeadArgs& a, bool enter, const RowTable& rows, int6
 
 template <typename T>
 void exact_part_of_head(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t G,
-                        int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale, bool round_weights = false);
+                        int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale, bool round_weights = false,
+                        const float* ks = nullptr, const float* vs = nullptr);
 
 // The output of a kernel head's G query heads from acc (G, dv1): the kernel part's numerator and denominator over
 // `count` keys, and (sp / wp not null) the softmax parts of the sinks and the window (each M (G,), total (G,),
@@ -241,18 +245,38 @@ void kernel_finish(const KernelHeadArgs& a, float* acc, int64_t G, int64_t d, in
   join_finish(acc, count, a.beta, ns > 0 ? sp : nullptr, s0 < w ? wp : nullptr, G, dv, floor, a.out);
 }
 
-// a row of n stored keys / values as fp32: the row itself, or (bf16 storage) its widening into buf
-inline const float* row_f32(const float* x, int64_t, float*) { return x; }
-inline const float* row_f32(const uint16_t* x, int64_t n, float* buf) {
+// a row of n stored keys / values as fp32: the row itself, or (bf16 storage) its widening into buf, or (int8
+// storage, an 8-bit exact cache) its dequantisation x · s into buf, rounded to bf16 when the products take bf16
+// operands (rnd); s and rnd only apply to int8
+inline const float* row_f32(const float* x, int64_t, float*, float = 1.f, bool = false) { return x; }
+inline const float* row_f32(const uint16_t* x, int64_t n, float* buf, float = 1.f, bool = false) {
   for (int64_t r = 0; r < n; ++r) {  // bf16 is the top half of an fp32: widening is a shift
     const uint32_t bits = static_cast<uint32_t>(x[r]) << 16;
     std::memcpy(buf + r, &bits, sizeof(float));
   }
   return buf;
 }
+inline const float* row_f32(const int8_t* x, int64_t n, float* buf, float s, bool rnd) {
+  for (int64_t r = 0; r < n; ++r) buf[r] = rnd ? round_bf16(float(x[r]) * s) : float(x[r]) * s;
+  return buf;
+}
+
+// the per-key scale of an int8 row (1 for the other storages, whose scale pointer is null)
+inline float row_scale(const float* s, int64_t j) { return s ? s[j] : 1.f; }
+
+// an 8-bit exact cache's new key / value row: x (n,) fp32 -> int8 with scale absmax / 127 (absmax at least 1e-30),
+// x / scale rounded half to even and clamped to ±127: the quantisation of kernels/hybrid.py's quantize_int8
+inline float quantize_row(const float* x, int64_t n, int8_t* out) {
+  float amax = 0.f;
+  for (int64_t r = 0; r < n; ++r) amax = std::max(amax, std::fabs(x[r]));
+  const float s = std::max(amax, 1e-30f) / 127.f;
+  for (int64_t r = 0; r < n; ++r) out[r] = int8_t(std::clamp(std::nearbyint(x[r] / s), -127.f, 127.f));
+  return s;
+}
 
 // one split-K part of an exact head's softmax: the G queries over keys [j0, j1) (the new key already written at
-// slot t), keys and values stored as T (fp32, or bf16 as uint16). Writes per query g the part's max M[g],
+// slot t), keys and values stored as T (fp32, bf16 as uint16, or int8 with the per-key scales ks, vs: used as
+// x · s, rounded to bf16 with round_weights, the bf16 products' operands). Writes per query g the part's max M[g],
 // Σ e^{s-M} total[g] and Σ e^{s-M} v into out (G, dv). Any shape; exact_part_fast below for the usual ones.
 // logit (G, n) -> e^{logit - M} per row in place, with each row's max M[g] and Σ total[g]; round_weights (bf16
 // products): the weights rounded to bf16 and total their sum
@@ -267,17 +291,18 @@ inline void exp_rows(float* logit, int64_t G, int64_t n, float* M, float* total,
 
 template <typename T>
 void exact_part_any(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t G,
-                    int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale, bool round_weights) {
+                    int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale, bool round_weights, const float* ks,
+                    const float* vs) {
   const int64_t n = j1 - j0;
   std::vector<float> logit(G * n), buf(std::max(d, dv));
   for (int64_t j = 0; j < n; ++j) {
-    const float* kj = row_f32(K + (j0 + j) * d, d, buf.data());
+    const float* kj = row_f32(K + (j0 + j) * d, d, buf.data(), row_scale(ks, j0 + j), round_weights);
     for (int64_t g = 0; g < G; ++g) logit[g * n + j] = dot(q + g * d, kj, d) * scale;
   }
   exp_rows(logit.data(), G, n, M, total, round_weights);
   std::fill(out, out + G * dv, 0.f);
   for (int64_t j = 0; j < n; ++j) {
-    const float* vj = row_f32(V + (j0 + j) * dv, dv, buf.data());
+    const float* vj = row_f32(V + (j0 + j) * dv, dv, buf.data(), row_scale(vs, j0 + j), round_weights);
     for (int64_t g = 0; g < G; ++g) axpy(out + g * dv, logit[g * n + j], vj, dv);
   }
 }
@@ -322,13 +347,24 @@ inline v16 sum_lanes16(const v16* a) {  // the same tree on 8-lane halves, after
 // and stored per key), not by the bytes they read.
 template <typename T, int G, int ND, int NV>
 void exact_part_fast(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t j0,
-                     int64_t j1, float scale, bool round_weights) {
+                     int64_t j1, float scale, bool round_weights, const float* ks, const float* vs) {
   constexpr int64_t d = 16 * ND, dv = 16 * NV;
   const int64_t n = j1 - j0;
   std::vector<float> logit(G * n);
   v16 qv[G][ND];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < ND; ++c) qv[g][c] = load16(q + g * d + c * 16);
+  constexpr bool i8 = std::is_same_v<T, int8_t>;
+  // 16 numbers of a stored row (key or value j, scale s) as used: int8 dequantised, rounded to bf16 with
+  // round_weights (the bf16 products' operands); fp32 and bf16 as they are
+  auto used16 = [&](const T* x, const float* s, int64_t j) {
+    if constexpr (i8) {
+      const v16 y = load16(x) * s[j];
+      return round_weights ? round16_bf16(y) : y;
+    } else {
+      return load16(x);
+    }
+  };
   // q_g ⊙ k summed over the ND vector chunks of d: its 16 lanes add up to q_g · k
   auto products = [&](int g, const T* k) {
     v16 a = qv[g][0] * load16(k);
@@ -336,16 +372,16 @@ void exact_part_fast(const float* q, const T* K, const T* V, float* M, float* to
     return a;
   };
   int64_t j = 0;
-  v16 kbuf[16 * ND];  // bf16 keys widened once per block of 16, not once per query head
+  v16 kbuf[16 * ND];  // bf16 / int8 keys widened once per block of 16, not once per query head
   for (; j + 16 <= n; j += 16) {
     const T* kb = K + (j0 + j) * d;
-    if constexpr (sizeof(T) == sizeof(uint16_t)) {
-      for (int c = 0; c < 16 * ND; ++c) kbuf[c] = load16(kb + c * 16);
+    if constexpr (sizeof(T) != sizeof(float)) {
+      for (int c = 0; c < 16 * ND; ++c) kbuf[c] = used16(kb + c * 16, ks, j0 + j + c / ND);
     }
     for (int g = 0; g < G; ++g) {
       v16 acc[16];
       for (int x = 0; x < 16; ++x) {
-        if constexpr (sizeof(T) == sizeof(uint16_t)) {
+        if constexpr (sizeof(T) != sizeof(float)) {
           acc[x] = qv[g][0] * kbuf[x * ND];
           for (int c = 1; c < ND; ++c) acc[x] += qv[g][c] * kbuf[x * ND + c];
         } else {
@@ -355,17 +391,22 @@ void exact_part_fast(const float* q, const T* K, const T* V, float* M, float* to
       store16(logit.data() + g * n + j, sum_lanes16(acc) * scale);
     }
   }
-  for (; j < n; ++j)
+  for (; j < n; ++j) {
+    v16 kr[ND];
+    for (int c = 0; c < ND; ++c) kr[c] = used16(K + (j0 + j) * d + c * 16, ks, j0 + j);
     for (int g = 0; g < G; ++g) {
-      logit[g * n + j] = sum16(products(g, K + (j0 + j) * d)) * scale;
+      v16 a = qv[g][0] * kr[0];
+      for (int c = 1; c < ND; ++c) a += qv[g][c] * kr[c];
+      logit[g * n + j] = sum16(a) * scale;
     }
+  }
   exp_rows(logit.data(), G, n, M, total, round_weights);
   v16 o[G][NV];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NV; ++c) o[g][c] = v16{};
   for (int64_t x = 0; x < n; ++x) {
     v16 vr[NV];
-    for (int c = 0; c < NV; ++c) vr[c] = load16(V + (j0 + x) * dv + c * 16);
+    for (int c = 0; c < NV; ++c) vr[c] = used16(V + (j0 + x) * dv + c * 16, vs, j0 + x);
     for (int g = 0; g < G; ++g) {
       const float p = logit[g * n + x];
       for (int c = 0; c < NV; ++c) o[g][c] += p * vr[c];
@@ -400,12 +441,13 @@ bool fast_shape(int64_t G, int64_t d, int64_t dv, const F& fn) {
 // one split-K part of an exact head (see exact_part_any): the fast kernel for G ≤ 4 and d = dv ∈ {32, 64, 128}
 template <typename T>
 void exact_part_of_head(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t G,
-                        int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale, bool round_weights) {
+                        int64_t d, int64_t dv, int64_t j0, int64_t j1, float scale, bool round_weights,
+                        const float* ks, const float* vs) {
   const bool done = fast_shape(G, d, dv, [&](auto g, auto nd) {
     exact_part_fast<T, decltype(g)::value, decltype(nd)::value, decltype(nd)::value>(q, K, V, M, total, out, j0, j1,
-                                                                                   scale, round_weights);
+                                                                                   scale, round_weights, ks, vs);
   });
-  if (!done) exact_part_any(q, K, V, M, total, out, G, d, dv, j0, j1, scale, round_weights);
+  if (!done) exact_part_any(q, K, V, M, total, out, G, d, dv, j0, j1, scale, round_weights, ks, vs);
 }
 
 // Kernel heads that keep their keys and values instead of the state (below the memory crossover; the kept form of
@@ -533,16 +575,18 @@ void combine_exact_parts(const float* parts, int64_t P, int64_t G, int64_t dv, f
 }
 
 // q (B, Hq, d), k (B, Hkv, d), v (B, Hkv, dv), out (B, Hq, dv) written.
-// exact_heads (E,) int64 with ex_k (B, E, cap, d), ex_v (B, E, cap, dv) in fp32 or bf16, cap > t (slot t is
-// written); ex_bf16_products (ExactHeadsKernel product_dtype, with bf16 keys and values): the exact heads' scaled
-// queries and weights rounded to bf16 before their products.
+// exact_heads (E,) int64 with ex_k (B, E, cap, d), ex_v (B, E, cap, dv) in fp32, bf16 or int8, cap > t (slot t is
+// written); int8 (an 8-bit exact cache) with the per-key scales ex_ks, ex_vs (B, E, cap) fp32, the new key and value
+// quantised into slot t (quantize_row); ex_bf16_products (ExactHeadsKernel product_dtype, with bf16 or int8 keys and
+// values): the exact heads' scaled queries, weights and (int8) dequantised keys and values rounded to bf16 before
+// their products.
 // kern_heads (K,) int64, and either (kept false) the state S (B, K, D, dv+1), wq (K·G, D), beta (K·G,),
 // sink_k/v (B, K, n_sink, ·), win_k/v (B, K, w, ·), or (kept true) the heads' keys and values kept_k
 // (B, K, capk, d), kept_v (B, K, capk, dv) fp32 or bf16 with capk > t (slot t is written), the factor fw (K·G, R, d),
 // fc (K·G, R), fc0 (K·G,) and beta (K·G,). exact_part: whether the kernel heads have sinks / a window (else plain
 // kernel).
 void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Tensor& exact_heads,
-                 Tensor& ex_k, Tensor& ex_v, const Tensor& kern_heads, Tensor& S, const Tensor& wq,
+                 Tensor& ex_k, Tensor& ex_v, Tensor& ex_ks, Tensor& ex_vs, const Tensor& kern_heads, Tensor& S, const Tensor& wq,
                  const Tensor& beta, Tensor& sink_k, Tensor& sink_v, Tensor& win_k, Tensor& win_v, Tensor& kept_k,
                  Tensor& kept_v, const Tensor& fw, const Tensor& fc, const Tensor& fc0, bool kept, int64_t t,
                  int64_t n_sink, int64_t w, double scale, double floor, bool exact_part, bool ex_bf16_products) {
@@ -558,15 +602,24 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
   const int64_t* eh = exact_heads.data_ptr<int64_t>();
   const int64_t* kh = kern_heads.data_ptr<int64_t>();
   int64_t cap = 0, capk = 0, R = 0;
-  bool ex_bf16 = false;  // the exact heads' keys and values stored in bf16 (ExactHeadsKernel kv_dtype)
+  bool ex_bf16 = false, ex_i8 = false;  // the exact heads' keys and values stored in bf16 / int8 (kv_dtype)
   if (E) {
     ex_bf16 = ex_k.scalar_type() == at::kBFloat16;
-    TORCH_CHECK((ex_bf16 || ex_k.scalar_type() == at::kFloat) && ex_v.scalar_type() == ex_k.scalar_type() &&
+    ex_i8 = ex_k.scalar_type() == at::kChar;
+    TORCH_CHECK((ex_bf16 || ex_i8 || ex_k.scalar_type() == at::kFloat) && ex_v.scalar_type() == ex_k.scalar_type() &&
                     ex_k.is_contiguous() && ex_v.is_contiguous() && ex_k.dim() == 4 && ex_v.dim() == 4 &&
                     ex_k.device().is_cpu() && ex_v.device().is_cpu(),
-                "ex_k, ex_v: expected contiguous CPU float32 or bfloat16 tensors of one dtype with 4 dimensions");
+                "ex_k, ex_v: expected contiguous CPU float32, bfloat16 or int8 tensors of one dtype with 4 "
+                "dimensions");
     cap = ex_k.size(2);
     TORCH_CHECK(cap > t && ex_v.size(2) == cap, "ex_k, ex_v: expected a capacity above t=", t);
+    if (ex_i8) {
+      check_f32(ex_ks, "ex_ks", 3);
+      check_f32(ex_vs, "ex_vs", 3);
+      TORCH_CHECK(ex_ks.size(0) == B && ex_ks.size(1) == E && ex_ks.size(2) == cap && ex_vs.sizes() == ex_ks.sizes(),
+                  "ex_ks, ex_vs: expected (B, E, capacity) = (", B, ", ", E, ", ", cap, ") scales, got ",
+                  ex_ks.sizes(), " and ", ex_vs.sizes());
+    }
   }
   bool kept_bf16 = false;  // kept keys and values stored in bf16 (a bf16 model's, exactly)
   if (K && kept) {
@@ -615,6 +668,10 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
       if (ex_bf16) {
         for (int64_t r = 0; r < d; ++r) ekb[ko + r] = to_bf16(kx[r]);
         for (int64_t c = 0; c < dv; ++c) evb[vo + c] = to_bf16(vx[c]);
+      } else if (ex_i8) {
+        const int64_t so = (b * E + i) * cap + t;
+        ex_ks.data_ptr<float>()[so] = quantize_row(kx, d, ex_k.data_ptr<int8_t>() + ko);
+        ex_vs.data_ptr<float>()[so] = quantize_row(vx, dv, ex_v.data_ptr<int8_t>() + vo);
       } else {
         std::memcpy(ex_k.data_ptr<float>() + ko, kx, sizeof(float) * d);
         std::memcpy(ex_v.data_ptr<float>() + vo, vx, sizeof(float) * dv);
@@ -635,8 +692,8 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
         }
       }
   }
-  TORCH_CHECK(!ex_bf16_products || !E || ex_bf16, "ex_bf16_products: expected the exact heads' keys and values in "
-              "bfloat16, got ", ex_k.scalar_type());
+  TORCH_CHECK(!ex_bf16_products || !E || ex_bf16 || ex_i8, "ex_bf16_products: expected the exact heads' keys and "
+              "values in bfloat16 or int8, got ", ex_k.scalar_type());
   const int64_t P = (t + 1 + EXACT_BLOCK - 1) / EXACT_BLOCK;  // split-K parts per exact head
   const int64_t part_size = G * (dv + 2);
   std::vector<float> parts(B * E * P * part_size);
@@ -699,6 +756,11 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
         };
         if (ex_bf16) {
           part_of(ekb, evb);
+        } else if (ex_i8) {
+          exact_part_of_head(ex_bf16_products ? qr.data() : qh, ex_k.data_ptr<int8_t>() + bi * cap * d,
+                             ex_v.data_ptr<int8_t>() + bi * cap * dv, slot, slot + G, slot + 2 * G, G, d, dv, j0, j1,
+                             ex_bf16_products ? 1.f : float(scale), ex_bf16_products,
+                             ex_ks.data_ptr<float>() + bi * cap, ex_vs.data_ptr<float>() + bi * cap);
         } else {
           part_of(ex_k.data_ptr<float>(), ex_v.data_ptr<float>());
         }

@@ -8,6 +8,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>  // the int8 widening
+#endif
+
 #if defined(__AVX512F__)
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -43,6 +47,21 @@ inline v16 load16(const uint16_t* p) {
   v16 f;
   std::memcpy(&f, &w, sizeof(f));
   return f;
+}
+
+// 16 int8 numbers (an 8-bit exact cache's quantised keys / values) widened to fp32 lanes, exactly
+// (vpmovsxbd + vcvtdq2ps: GCC lowers __builtin_convertvector from int8 lanes to one scalar conversion per lane)
+inline v16 load16(const int8_t* p) {
+  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// each lane rounded to the nearest bf16 number, ties to even (to_bf16 of common.h per lane), as fp32
+inline v16 round16_bf16(v16 x) {
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  u32x16 bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
 }
 
 #else
@@ -101,6 +120,25 @@ inline v8f widen_bf16(const uint16_t* p) {
   return f;
 }
 inline v16 load16(const uint16_t* p) { return {widen_bf16(p), widen_bf16(p + 8)}; }
+inline v8f widen_int8(const int8_t* p) {
+#if defined(__AVX2__)
+  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  v8f f;
+  for (int l = 0; l < 8; ++l) f[l] = float(p[l]);
+  return f;
+#endif
+}
+inline v16 load16(const int8_t* p) { return {widen_int8(p), widen_int8(p + 8)}; }
+inline v8f round8_bf16(v8f x) {
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  u32x8 bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+inline v16 round16_bf16(v16 x) { return {round8_bf16(x.lo), round8_bf16(x.hi)}; }
 
 #endif
 

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -255,10 +256,14 @@ std::vector<Tensor> window_backward(const Tensor& q, const Tensor& ext_k, const 
 // (fp32 or bf16, widened here) packed into 16-key panels per block, the values into 16-column panels.
 constexpr int64_t EXACT_Q = 128, EXACT_K = 128;
 
+// a stored key / value number as fp32: fp32 itself, bf16 widened, int8 (an 8-bit exact cache) dequantised by its
+// row's scale s (s applies to int8 only)
 template <typename T>
-inline float widen(T x) {
+inline float widen(T x, float s) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    return float(x) * s;
   } else {  // bf16 bits
     uint32_t bits = uint32_t(x) << 16;
     float f;
@@ -268,22 +273,25 @@ inline float widen(T x) {
 }
 
 // The keys and values of one KV head as exact_block reads them, packed once for all its query blocks (widened
-// from bf16; ROUND: rounded to bf16): keys in (d, 16) panels of 16 keys, panel p at Kp + p·d·16 (the last
+// from bf16, dequantised from int8 by the per-key scales ks, vs (null for the other storages); ROUND: rounded to
+// bf16): keys in (d, 16) panels of 16 keys, panel p at Kp + p·d·16 (the last
 // panel's missing keys zero); values per block of EXACT_K keys in (EXACT_K, 16) panels of 16 columns, column
 // panel c of block b at Vp + (b·panels_d + c)·EXACT_K·16.
 template <typename T, bool ROUND>
-void pack_f32(const T* K, const T* V, int64_t keys, int64_t d, int64_t dv, float* Kp, float* Vp) {
+void pack_f32(const T* K, const T* V, const float* ks, const float* vs, int64_t keys, int64_t d, int64_t dv,
+              float* Kp, float* Vp) {
   const int64_t panels_d = (dv + kTile - 1) / kTile, nblk = (keys + EXACT_K - 1) / EXACT_K;
-  const auto operand = [](T x) { return ROUND ? round_bf16(widen(x)) : widen(x); };
+  const auto operand = [](T x, float s) { return ROUND ? round_bf16(widen(x, s)) : widen(x, s); };
   std::fill(Kp, Kp + nblk * EXACT_K * d, 0.f);
   std::fill(Vp, Vp + nblk * panels_d * EXACT_K * kTile, 0.f);
   for (int64_t j = 0; j < keys; ++j) {
     const T* kj = K + j * d;
+    const float sk = ks ? ks[j] : 1.f, sv = vs ? vs[j] : 1.f;
     float* kd = Kp + (j / kTile) * d * kTile + j % kTile;
-    for (int64_t c = 0; c < d; ++c) kd[c * kTile] = operand(kj[c]);
+    for (int64_t c = 0; c < d; ++c) kd[c * kTile] = operand(kj[c], sk);
     const T* vj = V + j * dv;
     float* vd = Vp + (j / EXACT_K) * panels_d * EXACT_K * kTile + (j % EXACT_K) * kTile;
-    for (int64_t c = 0; c < dv; ++c) vd[(c / kTile) * EXACT_K * kTile + c % kTile] = operand(vj[c]);
+    for (int64_t c = 0; c < dv; ++c) vd[(c / kTile) * EXACT_K * kTile + c % kTile] = operand(vj[c], sv);
   }
 }
 
@@ -355,24 +363,26 @@ void exact_block(const float* q, const float* Kp, const float* Vp, float* out, i
 // Kp + p·dp·16; values per block of EXACT_K keys in pair panels of 16 columns, column panel c of block b at
 // Vp + (b·panels_d + c)·EXACT_K·16, the pairs over the block's keys (missing keys zero).
 template <typename T>
-void pack_bf16(const T* K, const T* V, int64_t keys, int64_t d, int64_t dv, uint16_t* Kp, uint16_t* Vp) {
+void pack_bf16(const T* K, const T* V, const float* ks, const float* vs, int64_t keys, int64_t d, int64_t dv,
+               uint16_t* Kp, uint16_t* Vp) {
   const int64_t dp = (d + 1) / 2 * 2, panels_d = (dv + kTile - 1) / kTile, nblk = (keys + EXACT_K - 1) / EXACT_K;
-  const auto bits = [](T x) -> uint16_t {
-    if constexpr (std::is_same_v<T, float>) {
-      return to_bf16(x);
-    } else {
+  const auto bits = [](T x, float s) -> uint16_t {
+    if constexpr (std::is_same_v<T, uint16_t>) {
       return x;
+    } else {  // fp32 rounded, int8 dequantised and rounded
+      return to_bf16(widen(x, s));
     }
   };
   std::fill(Kp, Kp + nblk * EXACT_K * dp, uint16_t(0));
   std::fill(Vp, Vp + nblk * panels_d * EXACT_K * kTile, uint16_t(0));
   for (int64_t j = 0; j < keys; ++j) {
     const T* kj = K + j * d;
+    const float sk = ks ? ks[j] : 1.f, sv = vs ? vs[j] : 1.f;
     uint16_t* kd = Kp + (j / kTile) * dp * kTile + (j % kTile) * 2;
-    for (int64_t c = 0; c < d; ++c) kd[(c / 2) * 2 * kTile + c % 2] = bits(kj[c]);
+    for (int64_t c = 0; c < d; ++c) kd[(c / 2) * 2 * kTile + c % 2] = bits(kj[c], sk);
     const T* vj = V + j * dv;
     uint16_t* vd = Vp + (j / EXACT_K) * panels_d * EXACT_K * kTile + ((j % EXACT_K) / 2) * 2 * kTile + j % 2;
-    for (int64_t c = 0; c < dv; ++c) vd[(c / kTile) * EXACT_K * kTile + (c % kTile) * 2] = bits(vj[c]);
+    for (int64_t c = 0; c < dv; ++c) vd[(c / kTile) * EXACT_K * kTile + (c % kTile) * 2] = bits(vj[c], sv);
   }
 }
 
@@ -468,18 +478,20 @@ void exact_block_bf16(const float* q, const uint16_t* Kp, const uint16_t* Vp, fl
 }
 #endif
 
-// q (B, Hkv, G, N, d) fp32: the new queries of each KV head's query heads; k (B, Hkv, t0 + N, d), v (…, dv) fp32 or
-// bf16: the keys and values of the t0 cached and the N new tokens, each head's rows contiguous (the heads may be
-// apart). Returns out (B, Hkv, G, N, dv) fp32.
+// q (B, Hkv, G, N, d) fp32: the new queries of each KV head's query heads; k (B, Hkv, t0 + N, d), v (…, dv) fp32,
+// bf16 or int8: the keys and values of the t0 cached and the N new tokens, each head's rows contiguous (the heads may
+// be apart); int8 (an 8-bit exact cache) with k_scale, v_scale (B, Hkv, t0 + N) fp32, each head's contiguous: the
+// keys and values are x · scale (as fp32; rounded to bf16 with bf16_products). Returns out (B, Hkv, G, N, dv) fp32.
 // bf16_products: the products on bf16 numbers (exact_block<T, true>), with AVX512_BF16's pair products where the
 // build has them and native is true (native false: the fp32 tiles on the rounded numbers, for the tests).
 Tensor exact_prefill(const Tensor& q, const Tensor& k, const Tensor& v, int64_t t0, double scale, bool bf16_products,
-                     bool native) {
+                     bool native, const std::optional<Tensor>& k_scale_opt, const std::optional<Tensor>& v_scale_opt) {
+  const Tensor k_scale = k_scale_opt.value_or(Tensor()), v_scale = v_scale_opt.value_or(Tensor());
   check_f32(q, "q", 5);
-  const bool bf16 = k.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((bf16 || k.scalar_type() == at::kFloat) && v.scalar_type() == k.scalar_type() && k.dim() == 4 &&
+  const bool bf16 = k.scalar_type() == at::kBFloat16, i8 = k.scalar_type() == at::kChar;
+  TORCH_CHECK((bf16 || i8 || k.scalar_type() == at::kFloat) && v.scalar_type() == k.scalar_type() && k.dim() == 4 &&
                   v.dim() == 4 && k.device().is_cpu() && v.device().is_cpu(),
-              "k, v: expected CPU float32 or bfloat16 tensors of one dtype with 4 dimensions");
+              "k, v: expected CPU float32, bfloat16 or int8 tensors of one dtype with 4 dimensions");
   const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), N = q.size(3), d = q.size(4), dv = v.size(3);
   TORCH_CHECK(k.size(0) == B && k.size(1) == Hkv && k.size(2) == t0 + N && k.size(3) == d && v.size(0) == B &&
                   v.size(1) == Hkv && v.size(2) == t0 + N,
@@ -489,6 +501,15 @@ Tensor exact_prefill(const Tensor& q, const Tensor& k, const Tensor& v, int64_t 
   TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == d && v.stride(3) == 1 && v.stride(2) == dv,
               "k, v: expected each head's (t0 + N, ·) rows contiguous, got strides ", k.strides(), " and ",
               v.strides());
+  if (i8) {
+    for (const auto* sc : {&k_scale, &v_scale})
+      TORCH_CHECK(sc->defined() && sc->scalar_type() == at::kFloat && sc->device().is_cpu() && sc->dim() == 3 &&
+                      sc->size(0) == B && sc->size(1) == Hkv && sc->size(2) == t0 + N && sc->stride(2) == 1,
+                  "k_scale, v_scale: int8 keys and values need (B, Hkv, t0 + N) = (", B, ", ", Hkv, ", ", t0 + N,
+                  ") CPU float32 scales, each head's contiguous");
+  } else {
+    TORCH_CHECK(!k_scale.defined() && !v_scale.defined(), "k_scale, v_scale: only for int8 keys and values");
+  }
   Tensor out = at::empty({B, Hkv, G, N, dv}, q.options());
   const int64_t nblk = (N + EXACT_Q - 1) / EXACT_Q, tasks = B * Hkv * nblk;
   const float* qp = q.data_ptr<float>();
@@ -506,16 +527,23 @@ Tensor exact_prefill(const Tensor& q, const Tensor& k, const Tensor& v, int64_t 
   auto pack = [&](const auto* K, const auto* V, int64_t bh) {
     K += bh / Hkv * k.stride(0) + bh % Hkv * k.stride(1);
     V += bh / Hkv * v.stride(0) + bh % Hkv * v.stride(1);
+    const float* ks = i8 ? k_scale.data_ptr<float>() + bh / Hkv * k_scale.stride(0) + bh % Hkv * k_scale.stride(1)
+                         : nullptr;
+    const float* vs = i8 ? v_scale.data_ptr<float>() + bh / Hkv * v_scale.stride(0) + bh % Hkv * v_scale.stride(1)
+                         : nullptr;
     using T = std::remove_const_t<std::remove_pointer_t<decltype(K)>>;
 #if defined(__AVX512BF16__)
-    if (use_native) return pack_bf16(K, V, keys, d, dv, Kb.data() + bh * kstride, Vb.data() + bh * vstride);
+    if (use_native) return pack_bf16(K, V, ks, vs, keys, d, dv, Kb.data() + bh * kstride, Vb.data() + bh * vstride);
 #endif
-    if (bf16_products) return pack_f32<T, true>(K, V, keys, d, dv, Kf.data() + bh * kstride, Vf.data() + bh * vstride);
-    pack_f32<T, false>(K, V, keys, d, dv, Kf.data() + bh * kstride, Vf.data() + bh * vstride);
+    if (bf16_products)
+      return pack_f32<T, true>(K, V, ks, vs, keys, d, dv, Kf.data() + bh * kstride, Vf.data() + bh * vstride);
+    pack_f32<T, false>(K, V, ks, vs, keys, d, dv, Kf.data() + bh * kstride, Vf.data() + bh * vstride);
   };
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
-      if (bf16) {
+      if (i8) {
+        pack(k.data_ptr<int8_t>(), v.data_ptr<int8_t>(), bh);
+      } else if (bf16) {
         pack(reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
              reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), bh);
       } else {
@@ -555,5 +583,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("window_backward", &window_backward, "Gradients of window_combine");
   m.def("exact_prefill", &exact_prefill, "Exact causal softmax of a prompt's queries (flash-style, GQA-shared keys)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("t0"), py::arg("scale"), py::arg("bf16_products") = false,
-        py::arg("native") = true);
+        py::arg("native") = true, py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
 }
