@@ -236,8 +236,9 @@ def test_generate_reaches_the_fused_decode_step_and_matches_the_torch_step(make_
 @pytest.mark.parametrize("kernel", ["oal", "sink_window"])
 def test_int8_exact_cache_decodes_as_one_pass_and_round_trips(make_model, kernel, tmp_path):
     """set_exact_kv_dtype(int8): cached decoding (prompt, then one token at a time, the fused steps) equals one
-    pass over the same tokens (each token's key quantised the same way), the state holds int8 keys with their
-    scales, and the dtype survives save / load; a model without exact heads or a bad dtype is refused."""
+    pass over the same tokens (each token's key quantised the same way; bf16 products within their bound), the
+    state holds int8 keys with their scales, and the dtype survives save / load; a model without exact heads or a
+    bad dtype is refused."""
     from oal.conversion.heads import set_exact_kv_dtype
 
     model = converted(make_model, kernel)
@@ -257,7 +258,9 @@ def test_int8_exact_cache_decodes_as_one_pass_and_round_trips(make_model, kernel
         for t in range(25, 40):
             out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
             steps.append(out.logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+    # bf16 products: the prompt kernel rounds the dequantised values to bf16, the decode step folds their scales
+    # into the weights (2^-9 · max |v| apart)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-3, atol=1e-3)
     state = cache.layers[1].state
     assert state.k.dtype == torch.int8 and state.k_scale.dtype == torch.float32 and state.offset == 40
     loaded = load_converted(save_converted(model, tmp_path / "m", tokenizer=byte_tokenizer()))

@@ -261,10 +261,11 @@ def test_exact_buffers_grow_and_keep_their_dtype(kv_dtype):
 @pytest.mark.parametrize("d, Hq, Hkv", [(64, 9, 3), (32, 2, 2), (64, 10, 2)])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
 def test_fused_decode_bf16_products(d, Hq, Hkv, kv_dtype):
-    """product_dtype=bf16 in the decode step (queries and weights rounded, int8 keys and values dequantised and
-    rounded; the vector kernel for ≤ 4 query heads per KV head, the generic one for 5) over more keys than one
-    split-K part: within 2^-8 · max |v| of the kernel's own pass (its fused prompt kernel) and of
-    bf16_product_attention on the exact heads (int8: on their dequantised keys and values)."""
+    """product_dtype=bf16 in the decode step (queries and weights rounded; int8 keys and values widened, their
+    scales folded into the scores and weights; the vector kernel for ≤ 4 query heads per KV head, the generic one
+    for 5) over more keys than one split-K part: within 2^-8 · max |v| of the kernel's own pass (its fused prompt
+    kernel) and of bf16_product_attention on the exact heads (int8: on their dequantised keys and values, the
+    scales folded)."""
     from oal.kernels.hybrid import bf16_product_attention, dequantize_int8, quantize_int8
 
     base = make_kernel("exact+sink_window", Hq, Hkv, d, exact=(0, Hkv - 1))
@@ -280,7 +281,7 @@ def test_fused_decode_bf16_products(d, Hq, Hkv, kv_dtype):
     ke, ve = k[:, ex], v[:, ex]
     if kv_dtype == torch.int8:
         ke, ve = dequantize_int8(*quantize_int8(ke)), dequantize_int8(*quantize_int8(ve))
-    ref = bf16_product_attention(q[:, eq, 2101:], ke, ve, 2101, kernel.scale)
+    ref = bf16_product_attention(q[:, eq, 2101:], ke, ve, 2101, kernel.scale, round_kv=kv_dtype != torch.int8)
     assert float((got[:, eq, 2101:] - ref).abs().max()) <= bound
     with torch.no_grad():
         fp32 = ExactHeadsKernel(base.inner, base.exact_kv_heads, kv_dtype)

@@ -83,12 +83,13 @@ def test_prefill_then_decode_equals_one_pass(kind, exact):
 
 
 @pytest.mark.parametrize("exact", [[1], [0, 2], [0, 1, 2]])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_a_prompt_in_chunks_writes_its_keys_into_one_buffer(exact, dtype):
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float64, None), (torch.float32, None), (torch.float32, torch.int8)])
+def test_a_prompt_in_chunks_writes_its_keys_into_one_buffer(exact, dtype, kv_dtype):
     # within prompt_end (a prompt in chunks, its caller owning the state) the first chunk allocates the exact
-    # heads' buffers for the whole prompt and later chunks write into them: no copy of the past per chunk
+    # heads' buffers for the whole prompt (int8: and their scales) and later chunks write into them: no copy of
+    # the past per chunk
     d, N = 8, 150
-    m = ExactHeadsKernel(make_inner("sink_window", 6, 3, d, dtype), exact)
+    m = ExactHeadsKernel(make_inner("sink_window", 6, 3, d, dtype), exact, kv_dtype)
     q, k, v = make_qkv(2, 6, 3, N, d, dtype)
     full, _ = m(q, k, v)
     outs, state, ptrs = [], None, set()
@@ -98,7 +99,8 @@ def test_a_prompt_in_chunks_writes_its_keys_into_one_buffer(exact, dtype):
             o, state = m(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], initial_state=state, output_final_state=True)
             outs.append(o)
             assert state.k.shape == (2, len(exact), N, d) and state.offset == b
-            ptrs.add((state.k.data_ptr(), state.v.data_ptr()))
+            scales = () if kv_dtype is None else (state.k_scale.data_ptr(), state.v_scale.data_ptr())
+            ptrs.add((state.k.data_ptr(), state.v.data_ptr(), *scales))
     assert len(ptrs) == 1
     torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-5, atol=1e-5)
 
@@ -322,14 +324,13 @@ def test_int8_kv_quantises_the_exact_heads_keys_and_values_only(kind, products, 
     torch path and a prefill + continuation agree; autograd reaches q, k and v (straight through); config round
     trip."""
     import oal.kernels.hybrid as hybrid
-    from oal.kernels.hybrid import dequantize_int8, quantize_int8
+    from oal.kernels.hybrid import bf16_product_attention, dequantize_int8, quantize_int8
     from oal.ops.quadratic import cpu as cpu_kernels
 
     calls = spy_fast_path(hybrid, "_fused_exact")
     inner = make_inner(kind, 6, 3, 64, dtype=torch.float32)
     m = ExactHeadsKernel(inner, [0, 2], kv_dtype=torch.int8, product_dtype=products)
-    ref_kv = torch.bfloat16 if products is not None else None  # the same products on the dequantised numbers
-    plain = ExactHeadsKernel(inner, [0, 2], kv_dtype=ref_kv, product_dtype=products)
+    plain = ExactHeadsKernel(inner, [0, 2])
     q, k, v = (x.float() for x in make_qkv(1, 6, 3, 300, 64))
     kr, vr = k.clone(), v.clone()
     kr[:, [0, 2]] = dequantize_int8(*quantize_int8(k[:, [0, 2]]))
@@ -349,8 +350,12 @@ def test_int8_kv_quantises_the_exact_heads_keys_and_values_only(kind, products, 
     qk, sk = quantize_int8(k[:, [0, 2]])
     assert torch.equal(state.k[:, :, :300], qk) and torch.equal(state.k_scale[:, :, :300], sk)
     exact_q, kernel_q = group_q([0, 2], 2), group_q([1], 2)
-    torch.testing.assert_close(o[:, exact_q], want[:, exact_q], atol=1e-5, rtol=1e-5)
     bound = 2**-8 * float(v.abs().max()) if products is not None else 1e-5
+    if products is None:  # the softmax of the dequantised numbers
+        torch.testing.assert_close(o[:, exact_q], want[:, exact_q], atol=1e-5, rtol=1e-5)
+    else:  # bf16 products with the scales folded into them
+        ref = bf16_product_attention(q[:, exact_q], kr[:, [0, 2]], vr[:, [0, 2]], 0, m.scale, round_kv=False)
+        assert float((o[:, exact_q] - ref).abs().max()) <= bound
     for other in (o_torch, torch.cat([head, tail], 2)):
         assert float((other[:, exact_q] - o[:, exact_q]).abs().max()) <= bound
     torch.testing.assert_close(o[:, kernel_q], unrounded[:, kernel_q], atol=1e-6, rtol=1e-5)

@@ -166,23 +166,29 @@ def test_bf16_product_reference_rounds_queries_and_weights():
 @pytest.mark.parametrize("bf16_products", [False, True])
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("N, past, G", [(1, 0, 3), (63, 37, 1), (1000, 0, 3), (130, 200, 3)])
-def test_int8_keys_and_values_are_their_dequantised_numbers(bf16_products, native, N, past, G):
-    """int8 keys and values with per-token scales (an 8-bit exact cache) give what their dequantised fp32 numbers
-    give, bit for bit (the packing dequantises, then rounds to bf16 for bf16 products); scales lying apart in a
-    buffer with room, as the cache holds them."""
+def test_int8_keys_and_values_fold_their_scales(bf16_products, native, N, past, G):
+    """int8 keys and values with per-token scales (an 8-bit exact cache): the key scales folded into the scores, the
+    values dequantised. fp32 products: the softmax of the dequantised numbers (fp64 reference); bf16 products:
+    within 2^-8 · max |v| of bf16_product_attention(round_kv=False); scales lying apart in a buffer with room, as
+    the cache holds them, give the same numbers."""
     q, k, v = inputs(2, 2, G, N, past, 64, 64)
     (qk, sk), (qv, sv) = hybrid.quantize_int8(k), hybrid.quantize_int8(v)
+    kd, vd = hybrid.dequantize_int8(qk, sk), hybrid.dequantize_int8(qv, sv)
     ext = cpu_kernel.load("window")
-    want = ext.exact_prefill(
-        q, hybrid.dequantize_int8(qk, sk), hybrid.dequantize_int8(qv, sv), past, 0.125, bf16_products, native
-    )
+    got = ext.exact_prefill(q, qk, qv, past, 0.125, bf16_products, native, k_scale=sk, v_scale=sv)
+    if bf16_products:
+        B, E = q.shape[:2]
+        ref = hybrid.bf16_product_attention(q.reshape(B, E * G, N, 64), kd, vd, past, 0.125, round_kv=False)
+        assert float((got - ref.reshape(got.shape)).abs().max()) <= 2**-8 * float(vd.abs().max())
+    else:
+        torch.testing.assert_close(got.double(), explicit(q, kd, vd, past, 0.125), rtol=2e-5, atol=2e-5)
     room = torch.zeros(2, 2, past + N + 9)
     ks, vs = room.clone(), room.clone()
     ks[:, :, : past + N], vs[:, :, : past + N] = sk, sv
-    got = ext.exact_prefill(
+    apart = ext.exact_prefill(
         q, qk, qv, past, 0.125, bf16_products, native, k_scale=ks[:, :, : past + N], v_scale=vs[:, :, : past + N]
     )
-    assert torch.equal(got, want)
+    assert torch.equal(apart, got)
 
 
 def test_int8_needs_scales_and_only_int8_takes_them():

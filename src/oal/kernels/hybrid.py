@@ -116,7 +116,13 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_product_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float, block: int = 256
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past: int,
+    scale: float,
+    block: int = 256,
+    round_kv: bool = True,
 ) -> torch.Tensor:
     """The exact heads' causal softmax with bf16 products, in torch (the reference of the fused kernels, and the
     path where they do not apply): the N new queries ``q (B, Eg, N, d)`` over ``past`` cached + N new keys ``k (B,
@@ -124,12 +130,15 @@ def bf16_product_attention(
     products, fp32 sums), ``p_ij = bf16(e^{s_ij - max_j s_ij})`` and ``o_i = Σ_j p_ij v_j / Σ_j p_ij``. The fused
     kernels subtract a running maximum over blocks of keys instead of the row's, so their weights round at other
     points: each weight within 2^-8 of this one's relative to the row's sum, the outputs within 2^-8 · max |v|.
-    Without autograd only: ``block`` queries at a time bound the score matrix."""
+    Without autograd only: ``block`` queries at a time bound the score matrix. ``round_kv=False`` (an 8-bit exact
+    cache: ``k``, ``v`` its dequantised fp32 numbers): the keys and values are used as given, the scales folded into
+    the products as the fused kernels fold them (``s_ij = sk_j · a_i · k̂_j`` over the integers k̂, exact products;
+    the prompt kernel rounds the dequantised values to bf16, within 2^-9 · max |v| of this)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("q, k, v: bf16_product_attention is inference-only (autograd is on for an input)")
     B, Eg, N, _ = q.shape
     a = (q.float() * scale).to(torch.bfloat16).float()
-    kf, vf = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
+    kf, vf = (k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()) if round_kv else (k.float(), v.float())
     kf, vf = repeat_kv(kf, Eg), repeat_kv(vf, Eg)
     out = q.new_empty(B, Eg, N, v.shape[-1], dtype=torch.float32)
     for i0 in range(0, N, block):
@@ -331,7 +340,7 @@ class ExactHeadsKernel(AttentionKernel):
             k, v = dequantize_int8(k, scales[0]), dequantize_int8(v, scales[1])
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         if bf16_products and not grad and q.dtype != torch.bfloat16:
-            return bf16_product_attention(q, k, v, past, self.scale).to(q.dtype)
+            return bf16_product_attention(q, k, v, past, self.scale, round_kv=scales is None).to(q.dtype)
         # below: SDPA. For bf16 queries (a bf16 model) its bf16 products are these (weights rounded for the second
         # product); under autograd the scaled queries are rounded, straight through, the weights stay fp32
         scale = self.scale

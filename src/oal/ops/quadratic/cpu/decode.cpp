@@ -16,8 +16,9 @@
 //   each query head of the group attends, softmax, over keys 0 … t (the buffer is read once per KV head), in
 //   parts of EXACT_BLOCK keys run as separate tasks and combined by their maxima (split-K, as flash-decoding).
 //   Stored in fp32, bf16, or int8 with one fp32 scale per token and head (the 8-bit exact cache: the new key is
-//   quantised here as hybrid.py's quantize_int8 does, bit for bit; keys and values are widened and dequantised in
-//   registers, rounded to bf16 with bf16 products as the prompt kernel's packing rounds them).
+//   quantised here as hybrid.py's quantize_int8 does, bit for bit; the integers are widened in registers and the
+//   scales folded into the scores and the weights, as hybrid.py's bf16_product_attention(round_kv=False) defines
+//   them with bf16 products).
 //
 // * kept kernel heads (../../../kernels/kept.py: below the memory crossover the cache keeps a kernel head's keys and
 //   values instead of its state): the new key/value is written at slot t, and the kernel part is evaluated from the
@@ -246,18 +247,17 @@ void kernel_finish(const KernelHeadArgs& a, float* acc, int64_t G, int64_t d, in
 }
 
 // a row of n stored keys / values as fp32: the row itself, or (bf16 storage) its widening into buf, or (int8
-// storage, an 8-bit exact cache) its dequantisation x · s into buf, rounded to bf16 when the products take bf16
-// operands (rnd); s and rnd only apply to int8
-inline const float* row_f32(const float* x, int64_t, float*, float = 1.f, bool = false) { return x; }
-inline const float* row_f32(const uint16_t* x, int64_t n, float* buf, float = 1.f, bool = false) {
+// storage, an 8-bit exact cache) its integers widened into buf (the row's scale is applied to its score / weight)
+inline const float* row_f32(const float* x, int64_t, float*) { return x; }
+inline const float* row_f32(const uint16_t* x, int64_t n, float* buf) {
   for (int64_t r = 0; r < n; ++r) {  // bf16 is the top half of an fp32: widening is a shift
     const uint32_t bits = static_cast<uint32_t>(x[r]) << 16;
     std::memcpy(buf + r, &bits, sizeof(float));
   }
   return buf;
 }
-inline const float* row_f32(const int8_t* x, int64_t n, float* buf, float s, bool rnd) {
-  for (int64_t r = 0; r < n; ++r) buf[r] = rnd ? round_bf16(float(x[r]) * s) : float(x[r]) * s;
+inline const float* row_f32(const int8_t* x, int64_t n, float* buf) {
+  for (int64_t r = 0; r < n; ++r) buf[r] = float(x[r]);
   return buf;
 }
 
@@ -275,8 +275,9 @@ inline float quantize_row(const float* x, int64_t n, int8_t* out) {
 }
 
 // one split-K part of an exact head's softmax: the G queries over keys [j0, j1) (the new key already written at
-// slot t), keys and values stored as T (fp32, bf16 as uint16, or int8 with the per-key scales ks, vs: used as
-// x · s, rounded to bf16 with round_weights, the bf16 products' operands). Writes per query g the part's max M[g],
+// slot t), keys and values stored as T (fp32, bf16 as uint16, or int8 with the per-key scales ks, vs, folded into
+// the scores and the weights: s_j = sk_j · (q · k_j), o = Σ_j (p_j · sv_j) v_j, the integers widened exactly).
+// Writes per query g the part's max M[g],
 // Σ e^{s-M} total[g] and Σ e^{s-M} v into out (G, dv). Any shape; exact_part_fast below for the usual ones.
 // logit (G, n) -> e^{logit - M} per row in place, with each row's max M[g] and Σ total[g]; round_weights (bf16
 // products): the weights rounded to bf16 and total their sum
@@ -296,14 +297,14 @@ void exact_part_any(const float* q, const T* K, const T* V, float* M, float* tot
   const int64_t n = j1 - j0;
   std::vector<float> logit(G * n), buf(std::max(d, dv));
   for (int64_t j = 0; j < n; ++j) {
-    const float* kj = row_f32(K + (j0 + j) * d, d, buf.data(), row_scale(ks, j0 + j), round_weights);
-    for (int64_t g = 0; g < G; ++g) logit[g * n + j] = dot(q + g * d, kj, d) * scale;
+    const float* kj = row_f32(K + (j0 + j) * d, d, buf.data());
+    for (int64_t g = 0; g < G; ++g) logit[g * n + j] = dot(q + g * d, kj, d) * scale * row_scale(ks, j0 + j);
   }
   exp_rows(logit.data(), G, n, M, total, round_weights);
   std::fill(out, out + G * dv, 0.f);
   for (int64_t j = 0; j < n; ++j) {
-    const float* vj = row_f32(V + (j0 + j) * dv, dv, buf.data(), row_scale(vs, j0 + j), round_weights);
-    for (int64_t g = 0; g < G; ++g) axpy(out + g * dv, logit[g * n + j], vj, dv);
+    const float* vj = row_f32(V + (j0 + j) * dv, dv, buf.data());
+    for (int64_t g = 0; g < G; ++g) axpy(out + g * dv, logit[g * n + j] * row_scale(vs, j0 + j), vj, dv);
   }
 }
 
@@ -355,16 +356,6 @@ void exact_part_fast(const float* q, const T* K, const T* V, float* M, float* to
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < ND; ++c) qv[g][c] = load16(q + g * d + c * 16);
   constexpr bool i8 = std::is_same_v<T, int8_t>;
-  // 16 numbers of a stored row (key or value j, scale s) as used: int8 dequantised, rounded to bf16 with
-  // round_weights (the bf16 products' operands); fp32 and bf16 as they are
-  auto used16 = [&](const T* x, const float* s, int64_t j) {
-    if constexpr (i8) {
-      const v16 y = load16(x) * s[j];
-      return round_weights ? round16_bf16(y) : y;
-    } else {
-      return load16(x);
-    }
-  };
   // q_g ⊙ k summed over the ND vector chunks of d: its 16 lanes add up to q_g · k
   auto products = [&](int g, const T* k) {
     v16 a = qv[g][0] * load16(k);
@@ -376,7 +367,7 @@ void exact_part_fast(const float* q, const T* K, const T* V, float* M, float* to
   for (; j + 16 <= n; j += 16) {
     const T* kb = K + (j0 + j) * d;
     if constexpr (sizeof(T) != sizeof(float)) {
-      for (int c = 0; c < 16 * ND; ++c) kbuf[c] = used16(kb + c * 16, ks, j0 + j + c / ND);
+      for (int c = 0; c < 16 * ND; ++c) kbuf[c] = load16(kb + c * 16);
     }
     for (int g = 0; g < G; ++g) {
       v16 acc[16];
@@ -388,16 +379,20 @@ void exact_part_fast(const float* q, const T* K, const T* V, float* M, float* to
           acc[x] = products(g, kb + x * d);
         }
       }
-      store16(logit.data() + g * n + j, sum_lanes16(acc) * scale);
+      if constexpr (i8) {  // the 16 keys' scales
+        store16(logit.data() + g * n + j, sum_lanes16(acc) * scale * load16(ks + j0 + j));
+      } else {
+        store16(logit.data() + g * n + j, sum_lanes16(acc) * scale);
+      }
     }
   }
   for (; j < n; ++j) {
     v16 kr[ND];
-    for (int c = 0; c < ND; ++c) kr[c] = used16(K + (j0 + j) * d + c * 16, ks, j0 + j);
+    for (int c = 0; c < ND; ++c) kr[c] = load16(K + (j0 + j) * d + c * 16);
     for (int g = 0; g < G; ++g) {
       v16 a = qv[g][0] * kr[0];
       for (int c = 1; c < ND; ++c) a += qv[g][c] * kr[c];
-      logit[g * n + j] = sum16(a) * scale;
+      logit[g * n + j] = sum16(a) * scale * row_scale(ks, j0 + j);
     }
   }
   exp_rows(logit.data(), G, n, M, total, round_weights);
@@ -406,9 +401,10 @@ void exact_part_fast(const float* q, const T* K, const T* V, float* M, float* to
     for (int c = 0; c < NV; ++c) o[g][c] = v16{};
   for (int64_t x = 0; x < n; ++x) {
     v16 vr[NV];
-    for (int c = 0; c < NV; ++c) vr[c] = used16(V + (j0 + x) * dv + c * 16, vs, j0 + x);
+    for (int c = 0; c < NV; ++c) vr[c] = load16(V + (j0 + x) * dv + c * 16);
+    const float sv = row_scale(vs, j0 + x);
     for (int g = 0; g < G; ++g) {
-      const float p = logit[g * n + x];
+      const float p = logit[g * n + x] * sv;
       for (int c = 0; c < NV; ++c) o[g][c] += p * vr[c];
     }
   }

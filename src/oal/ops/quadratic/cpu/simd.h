@@ -54,15 +54,6 @@ inline v16 load16(const uint16_t* p) {
 inline v16 load16(const int8_t* p) {
   return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-// each lane rounded to the nearest bf16 number, ties to even (to_bf16 of common.h per lane), as fp32
-inline v16 round16_bf16(v16 x) {
-  typedef uint32_t u32x16 __attribute__((vector_size(64)));
-  u32x16 bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
-}
 
 #else
 
@@ -130,15 +121,6 @@ inline v8f widen_int8(const int8_t* p) {
 #endif
 }
 inline v16 load16(const int8_t* p) { return {widen_int8(p), widen_int8(p + 8)}; }
-inline v8f round8_bf16(v8f x) {
-  typedef uint32_t u32x8 __attribute__((vector_size(32)));
-  u32x8 bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
-}
-inline v16 round16_bf16(v16 x) { return {round8_bf16(x.lo), round8_bf16(x.hi)}; }
 
 #endif
 

@@ -273,22 +273,21 @@ inline float widen(T x, float s) {
 }
 
 // The keys and values of one KV head as exact_block reads them, packed once for all its query blocks (widened
-// from bf16, dequantised from int8 by the per-key scales ks, vs (null for the other storages); ROUND: rounded to
-// bf16): keys in (d, 16) panels of 16 keys, panel p at Kp + p·d·16 (the last
+// from bf16; int8: the keys' integers as they are, their scales ks applied to the scores by exact_block, the values
+// dequantised by their scales vs (both null for the other storages); ROUND: rounded to bf16): keys in (d, 16) panels of 16 keys, panel p at Kp + p·d·16 (the last
 // panel's missing keys zero); values per block of EXACT_K keys in (EXACT_K, 16) panels of 16 columns, column
 // panel c of block b at Vp + (b·panels_d + c)·EXACT_K·16.
 template <typename T, bool ROUND>
-void pack_f32(const T* K, const T* V, const float* ks, const float* vs, int64_t keys, int64_t d, int64_t dv,
-              float* Kp, float* Vp) {
+void pack_f32(const T* K, const T* V, const float* vs, int64_t keys, int64_t d, int64_t dv, float* Kp, float* Vp) {
   const int64_t panels_d = (dv + kTile - 1) / kTile, nblk = (keys + EXACT_K - 1) / EXACT_K;
   const auto operand = [](T x, float s) { return ROUND ? round_bf16(widen(x, s)) : widen(x, s); };
   std::fill(Kp, Kp + nblk * EXACT_K * d, 0.f);
   std::fill(Vp, Vp + nblk * panels_d * EXACT_K * kTile, 0.f);
   for (int64_t j = 0; j < keys; ++j) {
     const T* kj = K + j * d;
-    const float sk = ks ? ks[j] : 1.f, sv = vs ? vs[j] : 1.f;
+    const float sv = vs ? vs[j] : 1.f;
     float* kd = Kp + (j / kTile) * d * kTile + j % kTile;
-    for (int64_t c = 0; c < d; ++c) kd[c * kTile] = operand(kj[c], sk);
+    for (int64_t c = 0; c < d; ++c) kd[c * kTile] = operand(kj[c], 1.f);
     const T* vj = V + j * dv;
     float* vd = Vp + (j / EXACT_K) * panels_d * EXACT_K * kTile + (j % EXACT_K) * kTile;
     for (int64_t c = 0; c < dv; ++c) vd[(c / kTile) * EXACT_K * kTile + c % kTile] = operand(vj[c], sv);
@@ -313,8 +312,8 @@ inline void write_normalised(const float* acc, const float* l, float* out, int64
 // to bf16 too (the keys and values were in packing), so that the fp32 tiles compute the products exactly (a
 // product of two bf16 numbers is an fp32 number); l sums the rounded weights.
 template <bool ROUND = false>
-void exact_block(const float* q, const float* Kp, const float* Vp, float* out, int64_t G, int64_t N, int64_t d,
-                 int64_t dv, int64_t t0, int64_t i_lo, float scale, std::vector<float>& work) {
+void exact_block(const float* q, const float* Kp, const float* Vp, const float* ks, float* out, int64_t G, int64_t N,
+                 int64_t d, int64_t dv, int64_t t0, int64_t i_lo, float scale, std::vector<float>& work) {
   const auto operand = [](float x) { return ROUND ? round_bf16(x) : x; };
   const int64_t i_hi = std::min(N, i_lo + EXACT_Q), nq = i_hi - i_lo, rows = G * nq;
   const int64_t panels_d = (dv + kTile - 1) / kTile, dvp = panels_d * kTile, keys = t0 + i_hi;
@@ -335,6 +334,8 @@ void exact_block(const float* q, const float* Kp, const float* Vp, float* out, i
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = S + r * EXACT_K;
       const int64_t visible = std::clamp<int64_t>(t0 + i_lo + r % nq + 1 - j0, 0, nk);
+      if (ks)
+        for (int64_t j = 0; j < visible; ++j) sr[j] *= ks[j0 + j];
       for (int64_t j = visible; j < panels_k * kTile; ++j) sr[j] = -std::numeric_limits<float>::infinity();
       const float mr = std::max(m[r], max_of(sr, visible));
       if (mr == -std::numeric_limits<float>::infinity()) {  // no visible key yet: the row adds nothing
@@ -358,13 +359,14 @@ void exact_block(const float* q, const float* Kp, const float* Vp, float* out, i
 }
 
 #if defined(__AVX512BF16__)
-// The keys and values of one KV head as exact_block_bf16 reads them, packed once for all its query blocks: keys
+// The keys and values of one KV head as exact_block_bf16 reads them, packed once for all its query blocks (int8:
+// the keys' integers, exact in bf16, the values dequantised by vs and rounded): keys
 // in pair panels of 16 keys (d padded to dp, even, with zeros; the last panel's missing keys zero), panel p at
 // Kp + p·dp·16; values per block of EXACT_K keys in pair panels of 16 columns, column panel c of block b at
 // Vp + (b·panels_d + c)·EXACT_K·16, the pairs over the block's keys (missing keys zero).
 template <typename T>
-void pack_bf16(const T* K, const T* V, const float* ks, const float* vs, int64_t keys, int64_t d, int64_t dv,
-               uint16_t* Kp, uint16_t* Vp) {
+void pack_bf16(const T* K, const T* V, const float* vs, int64_t keys, int64_t d, int64_t dv, uint16_t* Kp,
+               uint16_t* Vp) {
   const int64_t dp = (d + 1) / 2 * 2, panels_d = (dv + kTile - 1) / kTile, nblk = (keys + EXACT_K - 1) / EXACT_K;
   const auto bits = [](T x, float s) -> uint16_t {
     if constexpr (std::is_same_v<T, uint16_t>) {
@@ -377,9 +379,9 @@ void pack_bf16(const T* K, const T* V, const float* ks, const float* vs, int64_t
   std::fill(Vp, Vp + nblk * panels_d * EXACT_K * kTile, uint16_t(0));
   for (int64_t j = 0; j < keys; ++j) {
     const T* kj = K + j * d;
-    const float sk = ks ? ks[j] : 1.f, sv = vs ? vs[j] : 1.f;
+    const float sv = vs ? vs[j] : 1.f;
     uint16_t* kd = Kp + (j / kTile) * dp * kTile + (j % kTile) * 2;
-    for (int64_t c = 0; c < d; ++c) kd[(c / 2) * 2 * kTile + c % 2] = bits(kj[c], sk);
+    for (int64_t c = 0; c < d; ++c) kd[(c / 2) * 2 * kTile + c % 2] = bits(kj[c], 1.f);
     const T* vj = V + j * dv;
     uint16_t* vd = Vp + (j / EXACT_K) * panels_d * EXACT_K * kTile + ((j % EXACT_K) / 2) * 2 * kTile + j % 2;
     for (int64_t c = 0; c < dv; ++c) vd[(c / kTile) * EXACT_K * kTile + (c % kTile) * 2] = bits(vj[c], sv);
@@ -432,9 +434,9 @@ inline float exp_rounded_bf16(const float* x, int64_t n, float m, uint16_t* p) {
 // the scaled queries (G·nq, dp) and the weights (G·nq, EXACT_K) as bf16 rows. The same numbers as
 // exact_block<T, true> up to the summation order and exp_weights16's error (a weight may round to the bf16 number
 // next to exact_block's, one in a few thousand).
-void exact_block_bf16(const float* q, const uint16_t* Kp, const uint16_t* Vp, float* out, int64_t G, int64_t N,
-                      int64_t d, int64_t dv, int64_t t0, int64_t i_lo, float scale, std::vector<float>& work,
-                      std::vector<uint16_t>& bwork) {
+void exact_block_bf16(const float* q, const uint16_t* Kp, const uint16_t* Vp, const float* ks, float* out, int64_t G,
+                      int64_t N, int64_t d, int64_t dv, int64_t t0, int64_t i_lo, float scale,
+                      std::vector<float>& work, std::vector<uint16_t>& bwork) {
   const int64_t i_hi = std::min(N, i_lo + EXACT_Q), nq = i_hi - i_lo, rows = G * nq;
   const int64_t panels_d = (dv + kTile - 1) / kTile, dvp = panels_d * kTile, keys = t0 + i_hi, dp = (d + 1) / 2 * 2;
   work.resize(rows * EXACT_K + rows * dvp + 2 * rows);
@@ -457,6 +459,8 @@ void exact_block_bf16(const float* q, const uint16_t* Kp, const uint16_t* Vp, fl
       float* sr = S + r * EXACT_K;
       uint16_t* pr = P + r * EXACT_K;
       const int64_t visible = std::clamp<int64_t>(t0 + i_lo + r % nq + 1 - j0, 0, nk);
+      if (ks)
+        for (int64_t j = 0; j < visible; ++j) sr[j] *= ks[j0 + j];
       const float mr = std::max(m[r], max_of(sr, visible));
       if (mr == -std::numeric_limits<float>::infinity()) {
         std::fill(pr, pr + nkp, uint16_t(0));
@@ -481,7 +485,10 @@ void exact_block_bf16(const float* q, const uint16_t* Kp, const uint16_t* Vp, fl
 // q (B, Hkv, G, N, d) fp32: the new queries of each KV head's query heads; k (B, Hkv, t0 + N, d), v (…, dv) fp32,
 // bf16 or int8: the keys and values of the t0 cached and the N new tokens, each head's rows contiguous (the heads may
 // be apart); int8 (an 8-bit exact cache) with k_scale, v_scale (B, Hkv, t0 + N) fp32, each head's contiguous: the
-// keys and values are x · scale (as fp32; rounded to bf16 with bf16_products). Returns out (B, Hkv, G, N, dv) fp32.
+// key scales folded into the scores (s_ij = sk_j · scale · q_i · k_j over the integers), the values dequantised,
+// x · sv (rounded to bf16 with bf16_products: within 2^-9 · max |v| of hybrid.py's
+// bf16_product_attention with round_kv=False).
+// Returns out (B, Hkv, G, N, dv) fp32.
 // bf16_products: the products on bf16 numbers (exact_block<T, true>), with AVX512_BF16's pair products where the
 // build has them and native is true (native false: the fp32 tiles on the rounded numbers, for the tests).
 Tensor exact_prefill(const Tensor& q, const Tensor& k, const Tensor& v, int64_t t0, double scale, bool bf16_products,
@@ -527,17 +534,15 @@ Tensor exact_prefill(const Tensor& q, const Tensor& k, const Tensor& v, int64_t 
   auto pack = [&](const auto* K, const auto* V, int64_t bh) {
     K += bh / Hkv * k.stride(0) + bh % Hkv * k.stride(1);
     V += bh / Hkv * v.stride(0) + bh % Hkv * v.stride(1);
-    const float* ks = i8 ? k_scale.data_ptr<float>() + bh / Hkv * k_scale.stride(0) + bh % Hkv * k_scale.stride(1)
-                         : nullptr;
     const float* vs = i8 ? v_scale.data_ptr<float>() + bh / Hkv * v_scale.stride(0) + bh % Hkv * v_scale.stride(1)
                          : nullptr;
     using T = std::remove_const_t<std::remove_pointer_t<decltype(K)>>;
 #if defined(__AVX512BF16__)
-    if (use_native) return pack_bf16(K, V, ks, vs, keys, d, dv, Kb.data() + bh * kstride, Vb.data() + bh * vstride);
+    if (use_native) return pack_bf16(K, V, vs, keys, d, dv, Kb.data() + bh * kstride, Vb.data() + bh * vstride);
 #endif
     if (bf16_products)
-      return pack_f32<T, true>(K, V, ks, vs, keys, d, dv, Kf.data() + bh * kstride, Vf.data() + bh * vstride);
-    pack_f32<T, false>(K, V, ks, vs, keys, d, dv, Kf.data() + bh * kstride, Vf.data() + bh * vstride);
+      return pack_f32<T, true>(K, V, vs, keys, d, dv, Kf.data() + bh * kstride, Vf.data() + bh * vstride);
+    pack_f32<T, false>(K, V, vs, keys, d, dv, Kf.data() + bh * kstride, Vf.data() + bh * vstride);
   };
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -558,18 +563,21 @@ Tensor exact_prefill(const Tensor& q, const Tensor& k, const Tensor& v, int64_t 
       const int64_t bh = task / nblk, i_lo = block_of(task % nblk) * EXACT_Q;
       const float* qh = qp + bh * G * N * d;
       float* oh = op + bh * G * N * dv;
+      // int8 keys: their scales, applied to the scores (the packed keys are the integers)
+      const float* ks =
+          i8 ? k_scale.data_ptr<float>() + bh / Hkv * k_scale.stride(0) + bh % Hkv * k_scale.stride(1) : nullptr;
 #if defined(__AVX512BF16__)
       if (use_native) {
-        exact_block_bf16(qh, Kb.data() + bh * kstride, Vb.data() + bh * vstride, oh, G, N, d, dv, t0, i_lo,
+        exact_block_bf16(qh, Kb.data() + bh * kstride, Vb.data() + bh * vstride, ks, oh, G, N, d, dv, t0, i_lo,
                          float(scale), work, bwork);
         continue;
       }
 #endif
       const float *Kh = Kf.data() + bh * kstride, *Vh = Vf.data() + bh * vstride;
       if (bf16_products) {
-        exact_block<true>(qh, Kh, Vh, oh, G, N, d, dv, t0, i_lo, float(scale), work);
+        exact_block<true>(qh, Kh, Vh, ks, oh, G, N, d, dv, t0, i_lo, float(scale), work);
       } else {
-        exact_block<false>(qh, Kh, Vh, oh, G, N, d, dv, t0, i_lo, float(scale), work);
+        exact_block<false>(qh, Kh, Vh, ks, oh, G, N, d, dv, t0, i_lo, float(scale), work);
       }
     }
   });
