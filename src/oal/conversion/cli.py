@@ -158,6 +158,7 @@ def _restore_kv(model: str, out: Path, kv_dtype: str, overwrite: bool) -> None:
     from ..models import load_model, load_tokenizer
     from .convert import conversion_info, save_converted
     from .heads import set_exact_kv_dtype
+    from .recipe import with_exact_kv_dtype
 
     dtypes = {"bfloat16": torch.bfloat16, "int8": torch.int8, "model": None}
     if kv_dtype not in dtypes:
@@ -173,6 +174,9 @@ def _restore_kv(model: str, out: Path, kv_dtype: str, overwrite: bool) -> None:
         if info is None:
             raise ValueError(f"--model: {model} is not a converted model (no oal_conversion in its config)")
         layers = set_exact_kv_dtype(base, dtypes[kv_dtype])
+        stored = None if kv_dtype == "model" else kv_dtype
+        if info.get("recipe"):  # the record names the recipe that gives these fields (the card's command)
+            base.config.oal_conversion = {**info, "recipe": with_exact_kv_dtype(info["recipe"], stored)}
         with console.status(f"writing {out}"):
             save_converted(base, out, tokenizer=tokenizer, overwrite=overwrite, base_weights=info.get("base_weights"))
     except (ValueError, FileNotFoundError, FileExistsError) as err:
@@ -180,7 +184,7 @@ def _restore_kv(model: str, out: Path, kv_dtype: str, overwrite: bool) -> None:
     record = Path(model) / "recipe.json"
     if record.is_file():
         data = json.loads(record.read_text())
-        data["recipe"] = {**data["recipe"], "exact_kv_dtype": None if kv_dtype == "model" else kv_dtype}
+        data["recipe"] = with_exact_kv_dtype(data["recipe"], stored)
         data["restored_from"] = str(model)
         write_json(out / "recipe.json", data)
     console.print(f"exact keys and values of {layers} layers of {model} now in {kv_dtype}; wrote {out}")

@@ -99,6 +99,22 @@ RECIPES = {
 }
 
 
+def with_exact_kv_dtype(record: dict, kv_dtype: str | None) -> dict:
+    """A recipe record (``asdict(Recipe)``, as a converted model's config and ``recipe.json`` hold it) with its
+    exact keys and values in ``kv_dtype`` (``"bfloat16"``, ``"int8"`` or None): named as the recipe of
+    :data:`RECIPES` that gives exactly those fields, if one does (``retrieval`` with int8: ``retrieval-int8kv``),
+    else ``"<name>+exact_kv_dtype=<kv_dtype>"``."""
+    fields = {**record, "exact_kv_dtype": kv_dtype}
+    for name, recipe in RECIPES.items():
+        if {k: v for k, v in asdict(recipe).items() if k != "name"} == {
+            k: (tuple(v) if isinstance(v, list) else v)
+            for k, v in fields.items()
+            if k in asdict(recipe) and k != "name"
+        }:
+            return {**fields, "name": name}
+    return {**fields, "name": f"{record.get('name')}+exact_kv_dtype={kv_dtype}"}
+
+
 @contextmanager
 def _timed(stages: dict[str, float], name: str) -> Iterator[None]:
     """Record the wall seconds of one stage in ``stages[name]``."""
