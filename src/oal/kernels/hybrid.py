@@ -207,9 +207,10 @@ class ExactHeadsKernel(AttentionKernel):
     ``product_dtype`` (``torch.bfloat16`` or None, only with ``kv_dtype`` bf16 or int8): the exact heads' two
     products take bf16 operands with fp32 sums: the scaled queries and the softmax weights are rounded to bf16
     before they meet the keys and values (:func:`bf16_product_attention`), which AVX512_BF16 computes at twice the
-    fp32 rate (int8 keys and values: their dequantised numbers rounded to bf16 as well). Under autograd (training)
-    only the queries are rounded (straight through) and the weights stay fp32 (SDPA and its fused backward): outputs
-    within 2^-8 · max |v| of the rounded weights'; int8 keys and values are quantised straight through as well.
+    fp32 rate (int8 keys and values: their scales folded into the products, :func:`bf16_product_attention` with
+    ``round_kv=False``). Under autograd (training) only the queries are rounded (straight through) and the weights
+    stay fp32 (SDPA and its fused backward): outputs within 2^-8 · max |v| of the rounded weights'; int8 keys and
+    values are quantised straight through as well.
     """
 
     cpu_extensions = ("chunk", "decode", "window")  # the exact part's prompt kernel
@@ -328,7 +329,7 @@ class ExactHeadsKernel(AttentionKernel):
         """Causal softmax of the N new queries ``q (B, Eg, N, d)`` over ``past`` cached + N new keys ``k (B, E,
         past + N, d)``, ``v`` (stored dtype: fp32, bf16, or int8 with ``scales`` ``(B, E, past + N)`` each). Without
         autograd on CPU fp32 it is one fused call (``window.cpp``'s ``exact_prefill``: flash-style, each key read
-        once for a KV head's query heads, int8 dequantised as it packs them); otherwise SDPA on the keys and values
+        once for a KV head's query heads, int8 key scales folded into the scores); otherwise SDPA on the keys and values
         (dequantised) cast to q's dtype. With bf16 products: the fused call, else :func:`bf16_product_attention`
         without autograd, SDPA on the rounded scaled queries with it, and for bf16 queries (a bf16 model) SDPA as it
         is (its bf16 products are these, within the same bound)."""
