@@ -746,17 +746,18 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
           qr.resize(G * d);
           for (int64_t c = 0; c < G * d; ++c) qr[c] = round_bf16(float(scale) * qh[c]);
         }
+        // int8: the head's scales beside its keys and values
+        const float* ks = ex_i8 ? ex_ks.data_ptr<float>() + bi * cap : nullptr;
+        const float* vs = ex_i8 ? ex_vs.data_ptr<float>() + bi * cap : nullptr;
         auto part_of = [&](const auto* Ks, const auto* Vs) {
           exact_part_of_head(ex_bf16_products ? qr.data() : qh, Ks + bi * cap * d, Vs + bi * cap * dv, slot, slot + G,
-                             slot + 2 * G, G, d, dv, j0, j1, ex_bf16_products ? 1.f : float(scale), ex_bf16_products);
+                             slot + 2 * G, G, d, dv, j0, j1, ex_bf16_products ? 1.f : float(scale), ex_bf16_products,
+                             ks, vs);
         };
         if (ex_bf16) {
           part_of(ekb, evb);
         } else if (ex_i8) {
-          exact_part_of_head(ex_bf16_products ? qr.data() : qh, ex_k.data_ptr<int8_t>() + bi * cap * d,
-                             ex_v.data_ptr<int8_t>() + bi * cap * dv, slot, slot + G, slot + 2 * G, G, d, dv, j0, j1,
-                             ex_bf16_products ? 1.f : float(scale), ex_bf16_products,
-                             ex_ks.data_ptr<float>() + bi * cap, ex_vs.data_ptr<float>() + bi * cap);
+          part_of(ex_k.data_ptr<int8_t>(), ex_v.data_ptr<int8_t>());
         } else {
           part_of(ex_k.data_ptr<float>(), ex_v.data_ptr<float>());
         }
