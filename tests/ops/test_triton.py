@@ -341,6 +341,62 @@ def test_block_table_covers_canonical_rows(d):
         assert (min(c1, c2), max(c1, c2)) == expect[r]
 
 
+def test_block_table_is_one_read_only_copy_per_device():
+    tab = block_table(16, DEVICE)
+    assert tab is block_table(16, DEVICE) and tab.device.type == DEVICE.type and tab.dtype == torch.int32
+    assert block_table(8, DEVICE) is not tab
+
+
+def test_fp32_dot_precision_names_the_variable(monkeypatch):
+    from oal.ops.quadratic.triton.utils import fp32_dot_precision
+
+    monkeypatch.delenv("OAL_TRITON_FP32_DOT", raising=False)
+    assert fp32_dot_precision() == "ieee"
+    monkeypatch.setenv("OAL_TRITON_FP32_DOT", "split")
+    assert fp32_dot_precision() == "split"
+    monkeypatch.setenv("OAL_TRITON_FP32_DOT", "tf32")
+    with pytest.raises(ValueError, match=r"OAL_TRITON_FP32_DOT: expected one of .*'tf32x3'.*got 'tf32'"):
+        fp32_dot_precision()
+
+
+_SPLIT_CHECK = """
+import torch
+from oal.kernels.oal import oal_coefficients, oal_factor
+from oal.ops.quadratic import naive_quadratic_attention
+from oal.ops.quadratic.triton import chunk_quadratic_attention_triton
+from oal.ops.quadratic.triton.kernels import FP32_DOT
+assert FP32_DOT == "split", FP32_DOT
+dev = "cuda" if torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1" else "cpu"
+gen = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(2, h, 37, 16, generator=gen, dtype=torch.float64) for h in (6, 2, 2))
+groups = torch.randint(0, 3, (6, 16), generator=gen)
+L = torch.randn(6, 4, 4, generator=gen, dtype=torch.float64) * 0.5
+a, b, C = oal_coefficients(groups, L, 1e-2)
+ref = naive_quadratic_attention(q, k, v, a, b, C)[0]
+leaves = [x.float().to(dev).requires_grad_(True) for x in (q, k, v)]
+o, _ = chunk_quadratic_attention_triton(*leaves, *(x.float().to(dev) for x in (a, b, C)), chunk_size=16)
+o.sum().backward()
+ref_leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+naive_quadratic_attention(*ref_leaves, a, b, C)[0].sum().backward()
+errs = [((o.double().cpu() - ref).abs().max() / ref.abs().max()).item()]
+errs += [((x.grad.double().cpu() - r.grad).abs().max() / r.grad.abs().max()).item() for x, r in zip(leaves, ref_leaves)]
+print("ERRS", errs)
+assert max(errs) < 1e-5, errs
+"""
+
+
+def test_split_fp32_products_match_naive_forward_and_backward():
+    """OAL_TRITON_FP32_DOT=split (three tf32 products from a truncated high part and its remainder) gives fp32
+    accuracy; in a fresh process, since the kernels read the choice when they load."""
+    import subprocess
+
+    env = dict(os.environ, OAL_TRITON_FP32_DOT="split")
+    if not ON_GPU:
+        env["TRITON_INTERPRET"] = "1"
+    r = subprocess.run([sys.executable, "-c", _SPLIT_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ERRS" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------- GPU-only shapes
 
 

@@ -20,7 +20,8 @@ that are not state rows). A feature block's snapshot is then one contiguous ``[B
 one contiguous vector, and the readout loop needs no index table.
 
 Precision. Every product accumulates in fp32 (``ADT``; fp64 for fp64 inputs); tensor-core operands are in the
-dot dtype ``DT`` (bf16 for half inputs; fp32 as three tf32 products on the GPU, ``ieee`` in the interpreter).
+dot dtype ``DT`` (bf16 for half inputs; fp32 as FMAs by default, three tf32 tensor-core products on request,
+``FP32_DOT`` below; ``ieee`` in the interpreter).
 State passing keeps the state in fp32 registers and the count channel of Eq. 5 (the ``[v; 1]`` denominator)
 as exact fp32 sums; the snapshots that the readout multiplies are rounded to DT, and the readout forms its
 query features in DT (packed bf16) and contracts numerator and denominator alike, so both see the same
@@ -42,7 +43,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .utils import interpreting
+from .utils import fp32_dot_precision, interpreting
+
+#: How fp32 products run on the GPU (read once, when the kernels load; see :func:`.utils.fp32_dot_precision`):
+#: "ieee" (FMAs, the default), "tf32x3" (Triton's three tf32 tensor-core products) or "split" (the same three
+#: formed here from a truncated high part and its exact remainder).
+FP32_DOT = tl.constexpr(fp32_dot_precision())
 
 
 def _helper(fn):
@@ -57,11 +63,18 @@ def _mm(a, b, DT: tl.constexpr, INTERP: tl.constexpr):
     """``a @ b`` with both operands rounded to DT; fp32 accumulation (fp64 for fp64)."""
     a = a.to(DT)
     b = b.to(DT)
-    if tl.float32 == DT and INTERP:
+    if tl.float32 == DT and FP32_DOT == "split":  # also under the interpreter: its test
+        # x = hi + lo with hi = x truncated to tf32's 10 mantissa bits, so lo is exact and hi·hi + hi·lo + lo·hi
+        # carries fp32-level accuracy (lo·lo is below fp32's rounding)
+        a_hi = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        b_hi = (b.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        out = tl.dot(a_hi, b - b_hi, input_precision="tf32")
+        out += tl.dot(a - a_hi, b_hi, input_precision="tf32")
+        return out + tl.dot(a_hi, b_hi, input_precision="tf32")
+    elif tl.float32 == DT and INTERP:
         return tl.dot(a, b, input_precision="ieee")
     elif tl.float32 == DT:
-        # three tf32 products: fp32-level accuracy on the tensor cores (plain ieee fp32 falls back to FMAs)
-        return tl.dot(a, b, input_precision="tf32x3")
+        return tl.dot(a, b, input_precision=FP32_DOT)
     elif INTERP and tl.float64 != DT:
         # the CPU interpreter multiplies the raw bit patterns of 16-bit floats; the rounded values in fp32 give
         # what the tensor cores compute

@@ -26,6 +26,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+FP32_DOT_CHOICES = ("tf32x3", "split", "ieee")
+
+
+def fp32_dot_precision() -> str:
+    """How the kernels' fp32 products run on the GPU: ``$OAL_TRITON_FP32_DOT`` if set, else "ieee" (FMAs).
+    All three give fp32-level accuracy. The tensor-core lowerings ("tf32x3": Triton's three tf32 products;
+    "split": the same three formed in the kernel) are opt-in: on an H200 with Triton 3.6.0 tf32x3 at 8 warps
+    and split at d = 16 hit illegal memory accesses (docs/results/gpu; ``benchmarks/gpu_triage.py`` tries each
+    in a fresh process). bf16 and fp16 inputs, the fast path, never use this."""
+    choice = os.environ.get("OAL_TRITON_FP32_DOT", "ieee")
+    if choice not in FP32_DOT_CHOICES:
+        raise ValueError(f"OAL_TRITON_FP32_DOT: expected one of {FP32_DOT_CHOICES}, got {choice!r}")
+    return choice
+
+
 def next_pow2(n: int, lo: int = 16) -> int:
     p = lo
     while p < n:
@@ -150,8 +165,15 @@ def block_table(d: int, device: torch.device) -> torch.Tensor:
     """``(3, NBLK, BK)`` int32: per feature block (0 constant, 1 linear, 2 + δ pairs at offset δ) and block row,
     the column of the first factor, of the second (``d`` stands for the appended 1 of ``x' = [x, 1]``; padding
     rows of pair blocks name columns d and 0) and the canonical packed-state row (-1 where the block row is padding or a
-    duplicate pair). Every canonical row appears exactly once."""
-    return _block_table_cpu(d).to(device)
+    duplicate pair). Every canonical row appears exactly once. One read-only copy per device: a decode step
+    would otherwise pay a host-to-device copy for it."""
+    key = (d, torch.device(device))
+    if key not in _BLOCK_TABLES:
+        _BLOCK_TABLES[key] = _block_table_cpu(d).to(device)
+    return _BLOCK_TABLES[key]
+
+
+_BLOCK_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def snapshot_rows(d: int) -> int:
