@@ -230,12 +230,15 @@ def test_bad_kv_dtype_and_state_dtype():
 
 
 @pytest.mark.parametrize("kind", ["oal", "sink_window"])
-def test_bf16_products_every_path_agrees(kind, spy_fast_path):
+def test_bf16_products_every_path_agrees(kind, spy_fast_path, monkeypatch):
     """product_dtype=bf16: the fused prompt kernel, the torch path (fused kernels off), prefill + continuation and
     the rounded-query autograd path agree within 2^-8 · max |v| on the exact heads; the kernel heads are untouched;
-    the exact heads differ from fp32 products (the rounding is applied); config round trip."""
+    the exact heads differ from fp32 products (the rounding is applied); config round trip. AMX tiles off, so that
+    the fused kernel runs on any CPU (the tiles' path: test_bf16_products_on_amx_tiles_are_bf16_sdpa)."""
     import oal.kernels.hybrid as hybrid
     from oal.ops.quadratic import cpu as cpu_kernels
+
+    monkeypatch.setenv("OAL_CPU_AMX", "0")
 
     calls = spy_fast_path(hybrid, "_fused_exact")
     inner = make_inner(kind, 6, 3, 64, dtype=torch.float32)
@@ -385,3 +388,49 @@ def test_int8_state_needs_its_scales():
         bf16 = ExactHeadsKernel(make_inner("oal", 6, 3, 8, dtype=torch.float32), [0], kv_dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="in torch.bfloat16"):
             bf16(q, k, v, initial_state=st)
+
+
+def test_bf16_products_on_amx_tiles_are_bf16_sdpa(monkeypatch):
+    """On a CPU with AMX tiles (forced here: torch's bf16 SDPA runs on any CPU) an fp32 model's exact heads take
+    bf16 SDPA over a prompt, in one call and in chunks after a cached past: within the bound of
+    bf16_product_attention plus the bf16 output's rounding; int8 storage and autograd stay off that path."""
+    import oal.kernels.hybrid as hybrid
+    from oal.kernels.hybrid import bf16_product_attention
+    from oal.ops.quadratic import cpu as cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "amx_bf16", lambda: True)
+    calls = []
+    real = hybrid._bf16_sdpa
+    monkeypatch.setattr(hybrid, "_bf16_sdpa", lambda *a: calls.append(a[3]) or real(*a))
+    inner = make_inner("sink_window", 6, 3, 64, dtype=torch.float32)
+    m = ExactHeadsKernel(inner, [0, 2], kv_dtype=torch.bfloat16, product_dtype=torch.bfloat16)
+    q, k, v = (x.float() for x in make_qkv(1, 6, 3, 300, 64))
+    exact_q = group_q([0, 2], 2)
+    ref = bf16_product_attention(q[:, exact_q], k[:, [0, 2]], v[:, [0, 2]], 0, m.scale)
+    bound = 2**-8 * float(v.abs().max()) + 2**-8 * float(ref.abs().max())
+    with torch.no_grad():
+        whole, _ = m(q, k, v)
+        first, state = m(q[:, :, :170], k[:, :, :170], v[:, :, :170], output_final_state=True)
+        second, _ = m(q[:, :, 170:], k[:, :, 170:], v[:, :, 170:], initial_state=state)
+    assert calls == [0, 0, 170]
+    assert whole.dtype == torch.float32
+    assert float((whole[:, exact_q] - ref).abs().max()) <= bound
+    chunked = torch.cat([first, second], 2)[:, exact_q]
+    assert float((chunked - ref).abs().max()) <= bound
+    m8 = ExactHeadsKernel(inner, [0, 2], kv_dtype=torch.int8, product_dtype=torch.bfloat16)
+    with torch.no_grad():
+        m8(q, k, v)
+    m(q.requires_grad_(), k, v)
+    assert calls == [0, 0, 170]
+
+
+def test_amx_flag_override(monkeypatch):
+    from oal.ops.quadratic import cpu as cpu_kernels
+
+    monkeypatch.setenv("OAL_CPU_AMX", "0")
+    assert cpu_kernels.amx_bf16() is False
+    monkeypatch.setenv("OAL_CPU_AMX", "1")
+    assert cpu_kernels.amx_bf16() is True
+    monkeypatch.setenv("OAL_CPU_AMX", "yes")
+    with pytest.raises(ValueError, match=r"OAL_CPU_AMX: expected 0 or 1, got 'yes'"):
+        cpu_kernels.amx_bf16()

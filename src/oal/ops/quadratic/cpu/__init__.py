@@ -27,6 +27,7 @@ import os
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
@@ -52,6 +53,28 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         _enabled[0] = previous
+
+
+def amx_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices on AMX tiles (the ``amx_bf16`` flag of Linux's /proc/cpuinfo;
+    ``OAL_CPU_AMX=1`` / ``0`` overrides). There torch's bf16 matrix products and SDPA run on the tiles (oneDNN):
+    on a 2-core Xeon with AMX, bf16 SDPA ran the exact heads' causal prompt attention 3.5–4× faster than
+    ``window.cpp``'s AVX-512 kernel (docs/results/bench/model, stop 35)."""
+    forced = os.environ.get("OAL_CPU_AMX")
+    if forced is not None:
+        if forced not in ("0", "1"):
+            raise ValueError(f"OAL_CPU_AMX: expected 0 or 1, got {forced!r}")
+        return forced == "1"
+    return _cpuinfo_has("amx_bf16")
+
+
+@cache
+def _cpuinfo_has(flag: str) -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in line.split() for line in text.splitlines() if line.startswith("flags"))
 
 
 def _root() -> Path:
