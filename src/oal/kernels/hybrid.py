@@ -195,8 +195,8 @@ def _fused_exact(
 
 
 def _tiles_faster(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the exact heads' prompt (bf16 products, stored bf16/fp32 keys) runs as torch's bf16 SDPA: on a CPU
-    with AMX tiles, without autograd, for fp32 queries (bf16 queries take SDPA anyway)."""
+    """Whether the exact heads' prompt (bf16 products over bf16 keys; int8 keys stay on the fused kernel) runs as
+    torch's bf16 SDPA: on a CPU with AMX tiles, without autograd, for fp32 queries (bf16 queries take SDPA anyway)."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[2] < 2 or k.dtype == torch.int8:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
