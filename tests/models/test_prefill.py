@@ -17,6 +17,7 @@ from oal.models.prefill import (
     CONFIG_CHUNK_KEY,
     CONFIG_RELEASE_KEY,
     DEFAULT_PREFILL_CHUNK,
+    LONG_PROMPT,
     RELEASE_MIN_TOKENS,
     heap_released_before_output,
     prefill_chunk,
@@ -157,7 +158,10 @@ def test_one_call_where_chunks_could_be_told_apart(make_model, monkeypatch, case
 
 def test_chunk_setting(make_model):
     model = model_of(make_model, "oal")
-    assert prefill_chunk(model.config) == DEFAULT_PREFILL_CHUNK
+    assert prefill_chunk(model.config) == DEFAULT_PREFILL_CHUNK == prefill_chunk(model.config, LONG_PROMPT)
+    assert prefill_chunk(model.config, LONG_PROMPT + 1) == 2 * DEFAULT_PREFILL_CHUNK
+    setattr(model.config, CONFIG_CHUNK_KEY, 300)
+    assert prefill_chunk(model.config, 10 * LONG_PROMPT) == 300
     for off in (0, None):
         setattr(model.config, CONFIG_CHUNK_KEY, off)
         assert prefill_chunk(model.config) == 0
@@ -165,6 +169,18 @@ def test_chunk_setting(make_model):
         setattr(model.config, CONFIG_CHUNK_KEY, bad)
         with pytest.raises(ValueError, match=CONFIG_CHUNK_KEY):
             prefill_chunk(model.config)
+
+
+def test_default_chunks_of_a_short_and_a_long_prompt(make_model, monkeypatch):
+    """Unset, the chunk length is the default up to LONG_PROMPT tokens and twice it beyond."""
+    model = model_of(make_model, "oal")
+    calls = base_calls(model, monkeypatch)
+    with torch.no_grad():
+        model(prompt(1, 4 * DEFAULT_PREFILL_CHUNK), cache=KernelCache(model), logits_to_keep=1)
+        assert calls == [DEFAULT_PREFILL_CHUNK] * 4
+        calls.clear()
+        model(prompt(1, LONG_PROMPT + 100), cache=KernelCache(model), logits_to_keep=1)
+    assert calls == [2 * DEFAULT_PREFILL_CHUNK] * (LONG_PROMPT // (2 * DEFAULT_PREFILL_CHUNK)) + [100]
 
 
 def test_signature_is_the_base_forwards(make_model):
