@@ -357,7 +357,7 @@ class ExactHeadsKernel(AttentionKernel):
         autograd on CPU fp32 it is one fused call (``window.cpp``'s ``exact_prefill``: flash-style, each key read
         once for a KV head's query heads, int8 key scales folded into the scores); otherwise SDPA on the keys and values
         (dequantised) cast to q's dtype. With bf16 products: on a CPU with AMX tiles (bf16/fp32 storage, no autograd)
-        torch's bf16 SDPA on the same rounded numbers (:func:`_bf16_sdpa`, 3.5–4× the fused call there), else the
+        torch's bf16 SDPA on the same rounded numbers (:func:`_bf16_sdpa`, 2.8–4× the fused call there), else the
         fused call, else :func:`bf16_product_attention` without autograd, SDPA on the rounded scaled queries with
         it, and for bf16 queries (a bf16 model) SDPA as it is (its bf16 products are these, within the same
         bound)."""

@@ -58,7 +58,7 @@ def disabled() -> Iterator[None]:
 def amx_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices on AMX tiles (the ``amx_bf16`` flag of Linux's /proc/cpuinfo;
     ``OAL_CPU_AMX=1`` / ``0`` overrides). There torch's bf16 matrix products and SDPA run on the tiles (oneDNN):
-    on a 2-core Xeon with AMX, bf16 SDPA ran the exact heads' causal prompt attention 3.5–4× faster than
+    on a 2-core Xeon with AMX, bf16 SDPA ran the exact heads' causal prompt attention 2.8–4× faster than
     ``window.cpp``'s AVX-512 kernel (docs/results/bench/model, stop 35)."""
     forced = os.environ.get("OAL_CPU_AMX")
     if forced is not None:
