@@ -195,13 +195,24 @@ def _fused_exact(
 
 
 def _tiles_faster(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the exact heads' prompt (bf16 products over bf16 keys; int8 keys stay on the fused kernel) runs as
-    torch's bf16 SDPA: on a CPU with AMX tiles, without autograd, for fp32 queries (bf16 queries take SDPA anyway)."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[2] < 2 or k.dtype == torch.int8:
+    """Whether the exact heads' prompt with bf16 products over bf16 keys runs as torch's bf16 SDPA: on a CPU with
+    AMX tiles, without autograd, for fp32 queries (bf16 queries take SDPA anyway)."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[2] < 2:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return False
     return cpu_kernels.amx_bf16()
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor:
+    """SDPA of the N new queries ``q (B, Eg, N, d)`` over ``past`` cached + N new keys, causal (GQA as needed)."""
+    n = q.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if past == 0 or n == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=past == 0, scale=scale, enable_gqa=gqa)
+    keys = torch.arange(past + n, device=q.device)
+    mask = keys[None, :] <= (past + torch.arange(n, device=q.device))[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def _bf16_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor:
@@ -210,14 +221,7 @@ def _bf16_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, sca
     maximum for the product with the bf16 values, fp32 sums; the bf16 output adds its own rounding (≤ 2^-9 of
     |o|). Returns bf16 ``(B, Eg, N, dv)``."""
     a = (q * scale).to(torch.bfloat16)
-    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
-    n = q.shape[2]
-    gqa = q.shape[1] != k.shape[1]
-    if past == 0:
-        return F.scaled_dot_product_attention(a, k, v, is_causal=True, scale=1.0, enable_gqa=gqa)
-    keys = torch.arange(past + n, device=q.device)
-    mask = keys[None, :] <= (past + torch.arange(n, device=q.device))[:, None]
-    return F.scaled_dot_product_attention(a, k, v, attn_mask=mask, scale=1.0, enable_gqa=gqa)
+    return _causal_sdpa(a, k.to(torch.bfloat16), v.to(torch.bfloat16), past, 1.0)
 
 
 class ExactHeadsKernel(AttentionKernel):
@@ -356,7 +360,7 @@ class ExactHeadsKernel(AttentionKernel):
         past + N, d)``, ``v`` (stored dtype: fp32, bf16, or int8 with ``scales`` ``(B, E, past + N)`` each). Without
         autograd on CPU fp32 it is one fused call (``window.cpp``'s ``exact_prefill``: flash-style, each key read
         once for a KV head's query heads, int8 key scales folded into the scores); otherwise SDPA on the keys and values
-        (dequantised) cast to q's dtype. With bf16 products: on a CPU with AMX tiles (bf16/fp32 storage, no autograd)
+        (dequantised) cast to q's dtype. With bf16 products: on a CPU with AMX tiles (bf16 storage, no autograd)
         torch's bf16 SDPA on the same rounded numbers (:func:`_bf16_sdpa`, 2.8–4× the fused call there), else the
         fused call, else :func:`bf16_product_attention` without autograd, SDPA on the rounded scaled queries with
         it, and for bf16 queries (a bf16 model) SDPA as it is (its bf16 products are these, within the same
@@ -378,14 +382,7 @@ class ExactHeadsKernel(AttentionKernel):
         if bf16_products and q.dtype != torch.bfloat16:
             a = q * scale
             q, scale = a + (a.to(torch.bfloat16).to(a.dtype) - a).detach(), 1.0
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        n = q.shape[2]
-        gqa = q.shape[1] != k.shape[1]
-        if past == 0 or n == 1:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=past == 0, scale=scale, enable_gqa=gqa)
-        keys = torch.arange(past + n, device=q.device)
-        mask = keys[None, :] <= (past + torch.arange(n, device=q.device))[:, None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return _causal_sdpa(q, k.to(q.dtype), v.to(q.dtype), past, scale)
 
     def forward(
         self,
