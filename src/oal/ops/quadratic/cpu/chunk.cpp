@@ -53,8 +53,10 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // doubled [x, 1]; f = r·P + δ
 template <typename T>
 inline void pair_features(const T* y, const T* w, int64_t P, int64_t fa, int64_t fb, T* out) {
-  for (int64_t f = fa; f < fb;) {
-    const int64_t r = f / P, delta = f - r * P, len = std::min(P - delta, fb - f);
+  // one division for the range, not one per run of ≤ P features (a 64-bit division costs as much as such a run)
+  int64_t r = fa / P, delta = fa - r * P;
+  for (int64_t f = fa; f < fb; ++r, delta = 0) {
+    const int64_t len = std::min(P - delta, fb - f);
     const T yr = y[r];
     const T* ys = y + r + delta;
     T* dst = out + (f - fa);
@@ -223,27 +225,47 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, c
           float* dpart = part + rows * dvp;
           float* blk = dpart + rows;
           std::fill(part, part + rows * dvp + rows, 0.f);
+          // the denominators' dot products in 16-lane accumulators, one per row (feature) of a block, reduced
+          // together once per block (sum_lanes16): a horizontal sum per row and feature block had cost as much
+          // as the readout's tile products, and per feature and chunk several times the update's
+          v16 dacc[16];
+          float dtail[kRows];
           for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
             const int64_t mr = std::min(kRows, rows - r0);
+            std::fill(dacc, dacc + 16, v16{});
+            std::fill(dtail, dtail + kRows, 0.f);
             for (int64_t f0 = fa; f0 < fb; f0 += kBlock) {
               const int64_t kb = std::min(kBlock, fb - f0);
               for (int64_t i = 0; i < mr; ++i) {
                 float* a = blk + i * kb;
                 pair_features(yq + (r0 + i) * e2, wh + (r0 + i) / n * Dc, P, f0, f0 + kb, a);
-                dpart[r0 + i] += dot(a, Z + f0, kb);
+                int64_t t = 0;
+                for (; t + 16 <= kb; t += 16) dacc[i] += load16(a + t) * load16(Z + f0 + t);
+                for (; t < kb; ++t) dtail[i] += a[t] * Z[f0 + t];
               }
               tile_rows(mr, blk, kb, S + f0 * kTile, Dc * kTile, kb, part + r0 * dvp, kTile, dvp, tiles);
             }
+            const v16 sums = sum_lanes16(dacc);
+            for (int64_t i = 0; i < mr; ++i) dpart[r0 + i] += lane(sums, int(i)) + dtail[i];
           }
           for (int64_t f0 = fa; f0 < fb; f0 += kRows) {
             const int64_t mr = std::min(kRows, fb - f0);
+            std::fill(dacc, dacc + 16, v16{});
             for (int64_t i = 0; i < mr; ++i) {
               const int64_t f = f0 + i, r = f / P;
               const float *ya = ykt + r * n, *yb = ykt + (r + f - r * P) * n;
               float* a = blk + i * n;
-              for (int64_t j = 0; j < n; ++j) a[j] = ya[j] * yb[j];
-              Z[f] += dot(a, wk, n);
+              int64_t j = 0;
+              for (; j + 16 <= n; j += 16) {
+                const v16 x = load16(ya + j) * load16(yb + j);
+                store16(a + j, x);
+                dacc[i] += x * load16(wk + j);
+              }
+              dtail[i] = 0.f;
+              for (; j < n; ++j) dtail[i] += (a[j] = ya[j] * yb[j]) * wk[j];
             }
+            const v16 sums = sum_lanes16(dacc);
+            for (int64_t i = 0; i < mr; ++i) Z[f0 + i] += lane(sums, int(i)) + dtail[i];
             tile_rows(mr, blk, n, ut, n * kTile, n, S + f0 * kTile, Dc * kTile, kTile, tiles);
           }
         }

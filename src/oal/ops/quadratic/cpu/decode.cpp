@@ -308,40 +308,6 @@ void exact_part_any(const float* q, const T* K, const T* V, float* M, float* tot
   }
 }
 
-// r[j] = Σ_l a[j][l] for 16 vectors: a transposing reduction tree (45 shuffles and adds for 16 sums, where one
-// horizontal sum per vector costs about as many for one)
-#if defined(__AVX512F__)
-inline v16 sum_lanes16(const v16* a) {
-  v16 b[8], c[4], e[2];
-  for (int k = 0; k < 8; ++k)  // keys 2k, 2k+1: 8 partial sums each
-    b[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a[2 * k], a[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int k = 0; k < 4; ++k)  // keys 4k … 4k+3: 4 each
-    c[k] = __builtin_shufflevector(b[2 * k], b[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(b[2 * k], b[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  for (int k = 0; k < 2; ++k)  // keys 8k … 8k+7: 2 each
-    e[k] = __builtin_shufflevector(c[2 * k], c[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(c[2 * k], c[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-#else
-inline v16 sum_lanes16(const v16* a) {  // the same tree on 8-lane halves, after adding each vector's two halves
-  v8f s[16], b[8], c[4], e[2];
-  for (int k = 0; k < 16; ++k) s[k] = a[k].lo + a[k].hi;
-  for (int k = 0; k < 8; ++k)  // keys 2k, 2k+1: 4 partial sums each
-    b[k] = __builtin_shufflevector(s[2 * k], s[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           __builtin_shufflevector(s[2 * k], s[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-  for (int k = 0; k < 4; ++k)  // keys 4k … 4k+3: 2 each
-    c[k] = __builtin_shufflevector(b[2 * k], b[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-           __builtin_shufflevector(b[2 * k], b[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-  for (int k = 0; k < 2; ++k)  // keys 8k … 8k+7: 1 each
-    e[k] = __builtin_shufflevector(c[2 * k], c[2 * k + 1], 0, 2, 4, 6, 8, 10, 12, 14) +
-           __builtin_shufflevector(c[2 * k], c[2 * k + 1], 1, 3, 5, 7, 9, 11, 13, 15);
-  return {e[0], e[1]};
-}
-#endif
-
 // exact_part_any for G query heads and d = 16·ND, dv = 16·NV: the scores of 16 keys at a time in 16 vector
 // accumulators summed by one reduction tree, the weighted values accumulated in G·NV vector registers. The
 // decode step's exact heads were bound by instructions (a horizontal sum per key and query, values re-loaded
