@@ -779,18 +779,27 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
         const float* y = yk.data() + bh * 2 * e * N;
         const float* wd = om.data() + bh * Np;
         float* fin = FIN + bh * D * (dv + 1);
+        v16 zacc[16] = {};  // the features' weighted sums z, reduced together as in forward's update
+        float ztail[kRows] = {};
         for (int64_t a = 0; a < mr; ++a) {
           const int64_t f = f0 + a, r = f / P;
           const float *ya = y + r * N, *yb = y + (r + f - r * P) * N;
           float* x = blk.data() + a * N;
-          for (int64_t j = 0; j < N; ++j) x[j] = ya[j] * yb[j];
+          int64_t j = 0;
+          for (; j + 16 <= N; j += 16) {
+            const v16 p = load16(ya + j) * load16(yb + j);
+            store16(x + j, p);
+            zacc[a] += p * load16(wd + j);
+          }
+          for (; j < N; ++j) ztail[a] += (x[j] = ya[j] * yb[j]) * wd[j];
         }
         tile_rows(mr, blk.data(), N, up.data() + bh * tiles * Np * kTile, Np * kTile, N, acc.data(), kTile, dvp,
                   tiles, false);
+        const v16 zs = sum_lanes16(zacc);
         for (int64_t a = 0; a < mr; ++a) {  // odd d: a pair listed twice writes its one canonical row twice, alike
           float* row = fin + canon[f0 + a] * (dv + 1);
           for (int64_t c = 0; c < dv; ++c) row[c] = acc[a * dvp + c];
-          row[dv] = dot(blk.data() + a * N, wd, N);
+          row[dv] = lane(zs, int(a)) + ztail[a];
         }
       }
     });
