@@ -258,6 +258,23 @@ def test_exact_buffers_grow_and_keep_their_dtype(kv_dtype):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("d, Hq, Hkv", [(64, 9, 3), (32, 4, 1), (128, 4, 2), (64, 8, 2)])
+def test_fused_decode_bf16_products_tight(d, Hq, Hkv):
+    """bf16 keys and values with bf16 products, G = 1 … 4 query heads per KV head (AVX512_BF16's pair products where
+    the CPU has them): every step from the second token on (split-K parts of 2 … 40 keys, odd counts and partial
+    16-key blocks) equals bf16_product_attention on the exact heads up to fp32 rounding (≤ 1e-4 · max |v|, where the
+    rounding bound of the loose test above is 2^-8)."""
+    from oal.kernels.hybrid import bf16_product_attention
+
+    base = make_kernel("exact+sink_window", Hq, Hkv, d, exact=tuple(sorted({0, Hkv - 1})))
+    kernel = ExactHeadsKernel(base.inner, base.exact_kv_heads, torch.bfloat16, torch.bfloat16)
+    q, k, v = (x.float() for x in make_qkv(1, Hq, Hkv, 40, d, seed=3))
+    got, _ = run_decode(kernel, q, k, v, 1)
+    ex, eq = list(kernel.exact_kv_heads), kernel._exact_q
+    ref = bf16_product_attention(q[:, eq, 1:], k[:, ex], v[:, ex], 1, kernel.scale)
+    assert float((got[:, eq, 1:] - ref).abs().max()) <= 1e-4 * float(v.abs().max())
+
+
 @pytest.mark.parametrize("d, Hq, Hkv", [(64, 9, 3), (32, 2, 2), (64, 10, 2)])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
 def test_fused_decode_bf16_products(d, Hq, Hkv, kv_dtype):

@@ -308,6 +308,93 @@ void exact_part_any(const float* q, const T* K, const T* V, float* M, float* tot
   }
 }
 
+#if defined(__AVX512BF16__)
+// exact_part_fast for bf16 keys and values with bf16 products (the queries and the softmax weights bf16 numbers, as
+// hybrid.py's bf16_product_attention defines them): AVX512_BF16's pair products (vdpbf16ps: per fp32 lane two
+// bf16 products, exact in fp32, added to the accumulator) in place of widening every stored number and one FMA per
+// product. The scores of 16 keys at a time over pairs of dimensions, summed by one reduction tree; the weighted values
+// over pairs of keys, the two rows interleaved in registers (unpacklo/hi_epi16: lane 4b + i of the low half holds
+// column 8b + i of a 32-column chunk, of the high half column 8b + 4 + i). The same numbers up to the order of the
+// fp32 additions (and subnormal bf16 inputs read as 0).
+template <int G, int NB>
+void exact_part_pairs(const float* q, const uint16_t* K, const uint16_t* V, float* M, float* total, float* out,
+                      int64_t j0, int64_t j1, float scale) {
+  constexpr int64_t d = 32 * NB;
+  const int64_t n = j1 - j0;
+  std::vector<float> logit(G * n);
+  __m512bh qv[G][NB];  // the queries' bf16 numbers (exact: they are bf16 numbers held as fp32)
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NB; ++c)
+      qv[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * d + 32 * c + 16), _mm512_loadu_ps(q + g * d + 32 * c));
+  auto row_score = [&](int g, const uint16_t* k) {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < NB; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+    return (v16)a;
+  };
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const uint16_t* kb = K + (j0 + j) * d;
+    for (int g = 0; g < G; ++g) {
+      v16 acc[16];
+      for (int x = 0; x < 16; ++x) acc[x] = row_score(g, kb + x * d);
+      store16(logit.data() + g * n + j, sum_lanes16(acc) * scale);
+    }
+  }
+  for (; j < n; ++j)
+    for (int g = 0; g < G; ++g) logit[g * n + j] = sum16(row_score(g, K + (j0 + j) * d)) * scale;
+  exp_rows(logit.data(), G, n, M, total, true);
+  // the weights (bf16 numbers now) of keys 2m, 2m+1 as one bf16 pair, the odd part's last paired with 0
+  const int64_t np = (n + 1) / 2;
+  std::vector<uint32_t> pairs(G * np);
+  for (int g = 0; g < G; ++g) {
+    const float* pg = logit.data() + g * n;
+    int64_t m = 0;
+    for (; 2 * m + 32 <= n; m += 16)  // 32 weights -> 16 pairs (exact: they are bf16 numbers)
+      _mm512_storeu_si512(pairs.data() + g * np + m,
+                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(pg + 2 * m + 16), _mm512_loadu_ps(pg + 2 * m)));
+    for (; m < np; ++m) {
+      uint32_t lo, hi = 0;
+      std::memcpy(&lo, logit.data() + g * n + 2 * m, sizeof(lo));
+      if (2 * m + 1 < n) std::memcpy(&hi, logit.data() + g * n + 2 * m + 1, sizeof(hi));
+      pairs[g * np + m] = (lo >> 16) | (hi & 0xffff0000u);
+    }
+  }
+  __m512 o[G][2 * NB];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 2 * NB; ++c) o[g][c] = _mm512_setzero_ps();
+  for (int64_t m = 0; m < np; ++m) {
+    const uint16_t* va = V + (j0 + 2 * m) * d;
+    const bool two = 2 * m + 1 < n;
+    __m512bh lo[NB], hi[NB];
+    for (int c = 0; c < NB; ++c) {
+      const __m512i a = _mm512_loadu_si512(va + 32 * c);
+      const __m512i b = two ? _mm512_loadu_si512(va + d + 32 * c) : _mm512_setzero_si512();
+      lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(int32_t(pairs[g * np + m]));
+      for (int c = 0; c < NB; ++c) {
+        o[g][2 * c] = _mm512_dpbf16_ps(o[g][2 * c], w, lo[c]);
+        o[g][2 * c + 1] = _mm512_dpbf16_ps(o[g][2 * c + 1], w, hi[c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NB; ++c) {
+      alignas(64) float lo[16], hi[16];
+      _mm512_store_ps(lo, o[g][2 * c]);
+      _mm512_store_ps(hi, o[g][2 * c + 1]);
+      float* oc = out + g * d + 32 * c;
+      for (int b = 0; b < 4; ++b)
+        for (int i = 0; i < 4; ++i) {
+          oc[8 * b + i] = lo[4 * b + i];
+          oc[8 * b + 4 + i] = hi[4 * b + i];
+        }
+    }
+}
+#endif
+
 // exact_part_any for G query heads and d = 16·ND, dv = 16·NV: the scores of 16 keys at a time in 16 vector
 // accumulators summed by one reduction tree, the weighted values accumulated in G·NV vector registers. The
 // decode step's exact heads were bound by instructions (a horizontal sum per key and query, values re-loaded
@@ -315,6 +402,11 @@ void exact_part_any(const float* q, const T* K, const T* V, float* M, float* tot
 template <typename T, int G, int ND, int NV>
 void exact_part_fast(const float* q, const T* K, const T* V, float* M, float* total, float* out, int64_t j0,
                      int64_t j1, float scale, bool round_weights, const float* ks, const float* vs) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t> && ND == NV && ND % 2 == 0) {
+    if (round_weights && ks == nullptr) return exact_part_pairs<G, ND / 2>(q, K, V, M, total, out, j0, j1, scale);
+  }
+#endif
   constexpr int64_t d = 16 * ND, dv = 16 * NV;
   const int64_t n = j1 - j0;
   std::vector<float> logit(G * n);
