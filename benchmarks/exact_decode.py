@@ -1,6 +1,7 @@
 """One fused decode step (oal.kernels.decode) of a SmolLM2-shaped layer (9 query / 3 KV heads, d = 64) at N tokens
 with all three KV heads exact, their keys/values in fp32, bf16 or int8 (an 8-bit exact cache with per-token scales),
-with fp32 or bf16 products, and with none exact (sinks + 256 window + kernel): median of 40 steps after a prefill.
+with fp32 or bf16 products, and with none exact (sinks + 256 window + kernel): median of --steps steps (40) after a
+prefill.
 Reports the exact keys/values' MB (with the int8 scales) and the rate they are read at.
 
     python benchmarks/exact_decode.py --n 8192 --threads 2
@@ -22,6 +23,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=40)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     Hq, Hkv, d, n = 9, 3, 64, args.n
@@ -39,11 +41,11 @@ def main() -> None:
         ("no exact head", sw),
     ):
         gen = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, h, n + 40, d, generator=gen) for h in (Hq, Hkv, Hkv))
+        q, k, v = (torch.randn(1, h, n + args.steps, d, generator=gen) for h in (Hq, Hkv, Hkv))
         times = []
         with torch.no_grad():
             _, state = kernel(q[:, :, :n], k[:, :, :n], v[:, :, :n], output_final_state=True)
-            for t in range(n, n + 40):
+            for t in range(n, n + args.steps):
                 t0 = time.perf_counter()
                 _, state = decode_step(kernel, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, t)
                 times.append(time.perf_counter() - t0)
