@@ -239,3 +239,18 @@ def test_int8_exact_heads_in_the_kept_form(kind):
     with torch.no_grad():
         want, _ = kernel(q, k, v)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_spare_slots_spread_layers_over_the_growth_cycle():
+    """A prompt's spare slots: none outside a model's layer, one distinct share per layer of 64 consecutive ones
+    (so that decode steps grow one layer's buffers at a time), and the context restored after the block."""
+    from oal.kernels.base import GROWTH, model_layer, spare_slots
+
+    assert spare_slots(GROWTH) == 0
+    shares = []
+    for layer in range(GROWTH):
+        with model_layer(layer):
+            shares.append(spare_slots(GROWTH))
+            assert 0 <= spare_slots(16) < 16
+    assert sorted(shares) == list(range(GROWTH))
+    assert spare_slots(GROWTH) == 0

@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from oal.conversion import convert_model
 from oal.conversion.heads import add_exact_heads
+from oal.kernels.base import GROWTH
 from oal.kernels.kept import KeptKV
 from oal.models import KernelCache, prefill
 from oal.models.prefill import (
@@ -245,18 +246,26 @@ def release_calls(model, monkeypatch) -> list[str]:
 
 @pytest.mark.parametrize("chunk", [0, 64])
 def test_a_prompt_releases_the_freed_heap_once_before_the_output_layer(make_model, monkeypatch, chunk):
+    import oal.kernels.kept as kept
+
     model = model_of(make_model, "sink_window_exact_heads")
     ids = prompt(2, 150)  # in chunks of 64, 64, 22
     assert ids.numel() >= RELEASE_MIN_TOKENS
+    steps = GROWTH + 1  # long enough for every layer's exact buffer to outgrow its spare slots once
     model.config.oal_release_prompt_heap = False
-    (want, *want_steps), _ = run(model, ids, chunk, steps=2, logits_to_keep=1)
+    (want, *want_steps), _ = run(model, ids, chunk, steps=steps, logits_to_keep=1)
     model.config.oal_release_prompt_heap = True
-    events = release_calls(model, monkeypatch)
-    (got, *steps), _ = run(model, ids, chunk, steps=2, logits_to_keep=1)
-    # before the prompt's output layer; after the first decode step (it grew the full buffers); not the second
-    assert events == ["release", "head", "head", "release", "head"]
+    events, grew = release_calls(model, monkeypatch), []
+    take = kept.take_regrown
+    monkeypatch.setattr(kept, "take_regrown", lambda: grew.append(take()) or grew[-1])
+    (got, *got_steps), _ = run(model, ids, chunk, steps=steps, logits_to_keep=1)
+    # before the prompt's output layer; then after each decode step that grew a buffer, and only after those (the
+    # layers' spare slots after the prompt differ, so they grow at different steps)
+    by_step = grew[1:]  # the first is the prompt's (cleared, its release came before the output layer)
+    assert len(by_step) == steps and any(by_step) and not all(by_step)
+    assert events == ["release", "head"] + [e for g in by_step for e in ["head", "release"][: 1 + g]]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    for g, w in zip(steps, want_steps, strict=True):
+    for g, w in zip(got_steps, want_steps, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     assert not model.get_output_embeddings()._forward_pre_hooks  # the hook lives for the prompt's call only
 

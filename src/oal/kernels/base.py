@@ -21,6 +21,33 @@ from torch import nn
 _PROMPT_END: ContextVar[int | None] = ContextVar("oal_prompt_end", default=None)
 
 
+GROWTH = 64  # spare key/value slots added to an exact head's buffer when it is full (at 8k: ≤ 0.7 MB in all)
+
+# the model layer a kernel call belongs to (oal.models.hooks): a prompt leaves each layer's growing buffers a
+# different number of spare slots, so that the decode steps after it grow one layer's buffers at a time
+_LAYER: ContextVar[int | None] = ContextVar("oal_layer", default=None)
+
+
+@contextlib.contextmanager
+def model_layer(index: int) -> Iterator[None]:
+    """Within it, kernel calls belong to the model's layer ``index`` (see :func:`spare_slots`)."""
+    token = _LAYER.set(index)
+    try:
+        yield
+    finally:
+        _LAYER.reset(token)
+
+
+def spare_slots(growth: int) -> int:
+    """Spare slots a prompt leaves in a buffer that a decode step grows by ``growth`` slots when full: 0 outside a
+    model's layer, else the layer's own share ``41 · layer mod growth`` (distinct for ``growth`` consecutive layers
+    when ``growth`` is a power of 2). Without it every layer's buffer is full after a prompt and the first step
+    grows them all at once: each new buffer is allocated before its old one is freed, and the freed ones are too
+    small for the next layer's, so that step's transient was the whole grown cache (14 MB at 1k, stop 36)."""
+    layer = _LAYER.get()
+    return 0 if layer is None else (41 * layer) % growth
+
+
 @contextlib.contextmanager
 def prompt_end(position: int) -> Iterator[None]:
     """Within it, kernel calls belong to a prompt that runs to context length ``position`` (a prompt in chunks,

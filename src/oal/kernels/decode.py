@@ -35,13 +35,13 @@ from ..ops.quadratic import cpu as cpu_kernel
 from ..ops.quadratic.utils import feature_dim, query_weights
 from ..ops.sink_window import SinkWindowState
 from . import kept as kept_form
+from .base import GROWTH
 from .hybrid import ExactHeadsKernel, ExactHeadsState
 from .oal import OALKernel, oal_coefficients, oal_factor
 from .sink_window import SinkWindowKernel
 
 __all__ = ["GROWTH", "decode_step", "softmax_decode_step"]
 
-GROWTH = 64  # spare key/value slots added to an exact head's buffer when it is full (at 8k: ≤ 0.7 MB in all)
 _CONSTANTS_ATTR = "_oal_decode_constants"
 _EMPTY = torch.empty(0)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.quadratic import cpu as cpu_kernels
-from .base import AttentionKernel, check_positions, context_end, in_prompt, repeat_kv
+from .base import GROWTH, AttentionKernel, check_positions, context_end, in_prompt, repeat_kv, spare_slots
 from .oal import OALKernel, oal_attention, oal_coefficients, oal_factor
 from .sink_window import SinkWindowKernel
 
@@ -454,11 +454,15 @@ class ExactHeadsKernel(AttentionKernel):
                 # its first chunk made, instead of a copy of all the past ones per chunk
                 bufs = old
             else:
-                bufs = self._exact_buffers(k, v, kv_dtype, context_end(past + n) if output_final_state else past + n)
+                bufs = self._exact_buffers(
+                    k, v, kv_dtype, context_end(past + n) + spare_slots(GROWTH) if output_final_state else past + n
+                )
                 for buf, x in zip(bufs, old, strict=True):
                     buf[:, :, :past] = x[:, :, :past]
         else:
-            bufs = self._exact_buffers(k, v, kv_dtype, context_end(n) if output_final_state else n)
+            bufs = self._exact_buffers(
+                k, v, kv_dtype, context_end(n) + spare_slots(GROWTH) if output_final_state else n
+            )
         kn, vn = _heads(k, ex), _heads(v, ex)
         if int8:
             (qk, sk), (qv, sv) = quantize_int8(kn), quantize_int8(vn)
@@ -516,11 +520,14 @@ class ExactHeadsKernel(AttentionKernel):
     def exact_state(self, k: torch.Tensor, v: torch.Tensor, inner: object, offset: int) -> ExactHeadsState:
         """The state after a prompt whose keys ``k (B, Hkv, offset, d)`` and values ``v`` were all seen, with
         ``inner`` as the kernel heads' state: the exact heads' keys and values stored in ``kv_dtype`` (quantised for
-        int8), no spare room."""
+        int8) in buffers with the layer's :func:`~oal.kernels.base.spare_slots` of room after them."""
         kv_dtype = self.kv_dtype or k.dtype
         kn, vn = _heads(k, self.exact_kv_heads), _heads(v, self.exact_kv_heads)
-        if kv_dtype != torch.int8:  # own contiguous copies (the heads may be a view of the prompt's k and v)
-            kn, vn = (x.to(kv_dtype, memory_format=torch.contiguous_format, copy=True) for x in (kn, vn))
-            return ExactHeadsState(kn, vn, inner, offset)
-        (qk, sk), (qv, sv) = quantize_int8(kn), quantize_int8(vn)
-        return ExactHeadsState(qk, qv, inner, offset, sk, sv)
+        parts = (kn, vn)
+        if kv_dtype == torch.int8:
+            (qk, sk), (qv, sv) = quantize_int8(kn), quantize_int8(vn)
+            parts = (qk, qv, sk, sv)  # the order of _exact_buffers
+        bufs = self._exact_buffers(k, v, kv_dtype, offset + spare_slots(GROWTH))
+        for buf, x in zip(bufs, parts, strict=True):
+            buf[:, :, :offset] = x
+        return ExactHeadsState(bufs[0], bufs[1], inner, offset, *bufs[2:])

@@ -28,7 +28,7 @@ import torch
 from ..ops.quadratic import cpu as cpu_kernel
 from ..ops.quadratic.utils import cyclic_features, cyclic_maps, cyclic_width, feature_dim
 from ..ops.sink_window import SinkWindowState
-from .base import context_end, prompt_end
+from .base import context_end, prompt_end, spare_slots
 from .hybrid import ExactHeadsKernel, ExactHeadsState
 from .oal import OALKernel
 from .sink_window import SinkWindowKernel
@@ -157,9 +157,10 @@ def start(
     if cpu_kernel.load("decode") is None:
         return None
     o, _ = kernel(q, k, v)
-    # no spare slots after a prompt (they would raise the prefill's peak memory above the original model's): the
-    # first decode step grows the buffers by KEPT_GROWTH
-    kept = KeptKV(_buffer(_kept_heads(kernel, k), n, dtype), _buffer(_kept_heads(kernel, v), n, dtype), n)
+    # the layer's share of spare slots (< KEPT_GROWTH, a few KB per head), so that the decode steps after the prompt
+    # grow one or two layers' buffers at a time instead of all at the first
+    capacity = min(n + spare_slots(KEPT_GROWTH), limit)
+    kept = KeptKV(_buffer(_kept_heads(kernel, k), capacity, dtype), _buffer(_kept_heads(kernel, v), capacity, dtype), n)
     if isinstance(kernel, ExactHeadsKernel):
         return o, kernel.exact_state(k, v, kept, n)
     return o, kept
