@@ -347,3 +347,27 @@ def test_a_decode_step_that_grew_a_cache_buffer_releases_after_it(make_model, mo
         events.clear()
         model(prompt(1, 4))
     assert "release" not in events
+
+
+@pytest.mark.parametrize("kind", ["oal", "sink_window_exact_heads"])
+def test_a_prompt_builds_the_decode_constants_the_steps_reuse(make_model, monkeypatch, kind):
+    from oal.kernels import decode
+
+    if decode.cpu_kernel.load("decode") is None:
+        pytest.skip("the decode extension cannot be built here")
+    model = model_of(make_model, kind)
+    kernels = [m for m in model.modules() if isinstance(m, decode.ExactHeadsKernel | decode.OALKernel)]
+    kernels = [m for m in kernels if not any(m in other.modules() for other in kernels if other is not m)]
+    assert kernels
+    cache = KernelCache(model)
+    with torch.no_grad():
+        out = model(input_ids=prompt(1, 12), cache=cache)
+        assert all(getattr(m, decode._CONSTANTS_ATTR, None) is not None for m in kernels)
+
+        def built_again(*args, **kwargs):
+            raise AssertionError("a decode step built the constants again")
+
+        monkeypatch.setattr(decode, "query_weights", built_again)
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            nxt = model(input_ids=nxt, cache=cache).logits[:, -1:].argmax(-1)

@@ -40,7 +40,7 @@ from .hybrid import ExactHeadsKernel, ExactHeadsState
 from .oal import OALKernel, oal_coefficients, oal_factor
 from .sink_window import SinkWindowKernel
 
-__all__ = ["GROWTH", "decode_step", "softmax_decode_step"]
+__all__ = ["GROWTH", "decode_step", "prepare_decode", "softmax_decode_step"]
 
 _CONSTANTS_ATTR = "_oal_decode_constants"
 _EMPTY = torch.empty(0)
@@ -92,14 +92,25 @@ def _on_cpu(*tensors: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
     return all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
 
 
-def _usable(kernel, q, k, v) -> bool:
+def _usable(kernel, q, k, v, *, any_length: bool = False) -> bool:
+    """Whether :func:`decode_step` applies to a one-token call (or, with ``any_length``, would apply to the
+    one-token steps after this call: the same kernel, devices, dtypes and autograd)."""
     if not isinstance(kernel, (OALKernel, SinkWindowKernel, ExactHeadsKernel)):
         return False
-    if q.dim() != 4 or q.shape[2] != 1 or not _on_cpu(q, k, v):
+    if q.dim() != 4 or (q.shape[2] != 1 and not any_length) or not _on_cpu(q, k, v):
         return False
     if kept_form.needs_autograd(kernel, q, k, v):
         return False
     return cpu_kernel.load("decode") is not None
+
+
+def prepare_decode(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Build the kernel's decode constants (:func:`_constants`) during a prompt (q ``(B, Hq, N, d)``) whose
+    one-token steps will take :func:`decode_step`, so that the first step allocates no more than the later ones:
+    built at the first step, their transients (index / gather / where over every query head, ~6 MB over
+    SmolLM2's 30 layers) were that step's peak above the prompt's."""
+    if _usable(kernel, q, k, v, any_length=True):
+        _constants(kernel)
 
 
 def _grown(x: torch.Tensor, used: int) -> torch.Tensor:

@@ -46,7 +46,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..kernels import kept as kept_form
 from ..kernels.base import AttentionKernel, SoftmaxKernel, model_layer
-from ..kernels.decode import decode_step, softmax_decode_step
+from ..kernels.decode import decode_step, prepare_decode, softmax_decode_step
 from ..ops.quadratic import cpu as cpu_kernels
 from .architecture import attention_spec, check_layer, get_attention_modules
 from .state_cache import KernelStateLayer, RowStates, exact_kv_layer, kernel_state_layer
@@ -258,13 +258,16 @@ def _step(kernel: AttentionKernel, q, k, v, state, past: int, keep: bool, layer_
     point). One-token steps take the fused in-place step (the cache owns the state), else the kernel's own recurrent
     mode (autograd, non-fp32, other kernels, no compiler); several tokens the chunked mode; both from the kernel's
     own state (a kept form folded into it first), unless they keep a kept form below its fold point. Buffers a
-    prompt leaves get the layer's :func:`~oal.kernels.base.spare_slots`."""
+    prompt leaves get the layer's :func:`~oal.kernels.base.spare_slots`, and a prompt builds the fused step's
+    constants (:func:`~oal.kernels.decode.prepare_decode`)."""
     with model_layer(layer_idx):
         return _step_in_layer(kernel, q, k, v, state, past, keep, layer_idx, model_dtype)
 
 
 def _step_in_layer(kernel, q, k, v, state, past: int, keep: bool, layer_idx: int, model_dtype: torch.dtype):
     n = q.shape[2]
+    if n > 1:
+        prepare_decode(kernel, q, k, v)
     if keep and state is None:
         started = kept_form.start(kernel, q, k, v, model_dtype)
         if started is not None:
