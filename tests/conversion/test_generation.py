@@ -109,11 +109,11 @@ def test_state_size_does_not_grow_with_the_context(make_model, kernel):
         assert cache_nbytes(cache) == sum(b for _, b in sizes[n])
     converted = [b for (name, b) in sizes[8] if name == "KernelStateLayer"]
     assert converted == [b for (name, b) in sizes[96] if name == "KernelStateLayer"] and all(converted)
-    kv_8 = [b for (name, b) in sizes[8] if name == "ExactKVLayer"]
-    kv_96 = [b for (name, b) in sizes[96] if name == "ExactKVLayer"]
-    # softmax layers hold keys and values of every token (after a prompt: no spare slots)
-    assert len(kv_8) == 2 and [b // 96 for b in kv_96] == [b // 8 for b in kv_8]
-    assert all(b % 8 == 0 for b in kv_8) and all(b % 96 == 0 for b in kv_96)
+    softmax = [i for i, (name, _) in enumerate(sizes[8]) if name == "ExactKVLayer"]
+    # softmax layers hold keys and values of every token and, after a prompt, their layer's spare slots
+    spare = {i: (41 * i) % GROWTH for i in softmax}
+    per_token = {n: [sizes[n][i][1] / (n + spare[i]) for i in softmax] for n in (8, 96)}
+    assert len(softmax) == 2 and per_token[8] == per_token[96] and len(set(spare.values())) == 2
 
 
 @pytest.mark.parametrize(
@@ -258,6 +258,25 @@ def test_exact_kv_layer_writes_in_place_and_keeps_dynamic_layer_semantics():
     assert layer.buffers(keys) is not None and torch.equal(keys[0, :, -1:], new[1][0][0])
     layer.reset()
     assert layer.get_seq_length() == 0 and layer.nbytes == 0
+
+
+def test_exact_kv_layers_after_a_prompt_grow_at_different_steps():
+    """A softmax layer's prompt leaves its layer's spare slots (41 · layer mod GROWTH), so the layers' buffers
+    fill up at different decode steps instead of all growing at the first one."""
+    grown_at = {}
+    for idx in (1, 2, 3):
+        layer = ExactKVLayer(idx)
+        k, v = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)
+        layer.update(k, v)
+        assert layer.buffers(layer.keys)[0].shape[2] == 10 + (41 * idx) % GROWTH
+        start = layer.buffers(layer.keys)[0].data_ptr()
+        for step in range(1, GROWTH + 1):
+            keys, _ = layer.update(k[:, :, :1], v[:, :, :1])
+            if layer.buffers(keys)[0].data_ptr() != start:
+                grown_at[idx] = step
+                break
+        assert torch.equal(keys[:, :, :10], k)
+    assert grown_at == {i: (41 * i) % GROWTH + 1 for i in (1, 2, 3)}
 
 
 @pytest.mark.parametrize("kernel", ["oal", "global"])

@@ -29,8 +29,8 @@ _LAYER: ContextVar[int | None] = ContextVar("oal_layer", default=None)
 
 
 @contextlib.contextmanager
-def model_layer(index: int) -> Iterator[None]:
-    """Within it, kernel calls belong to the model's layer ``index`` (see :func:`spare_slots`)."""
+def model_layer(index: int | None) -> Iterator[None]:
+    """Within it, kernel calls belong to the model's layer ``index`` (None: to none; see :func:`spare_slots`)."""
     token = _LAYER.set(index)
     try:
         yield

@@ -34,6 +34,7 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..kernels import kept as kept_form
+from ..kernels.base import model_layer, spare_slots
 from ..kernels.decode import GROWTH
 
 __all__ = [
@@ -218,14 +219,16 @@ class ExactKVLayer(DynamicLayer):
     :attr:`values` are the views of its first :meth:`get_seq_length` slots, so every ``DynamicLayer`` method
     (crop, reorder, batch selection, masks) keeps its meaning; a method that replaces the views by other tensors
     (beam reordering) simply makes the next update start a new buffer. A prompt into an empty entry fills a buffer
-    of its exact size; later the buffer is grown by ``GROWTH`` (64) spare slots when full (one copy per GROWTH
-    tokens). :meth:`buffers` hands the buffers to the fused one-token softmax
+    of its size plus the layer's :func:`~oal.kernels.base.spare_slots` (``layer_idx``: at most 63, so that the
+    layers' buffers fill up at different steps); later the buffer is grown by ``GROWTH`` (64) spare slots when
+    full (one copy per GROWTH tokens). :meth:`buffers` hands the buffers to the fused one-token softmax
     step (:func:`oal.kernels.decode.softmax_decode_step`), which reads every key once for all query heads of its
     KV head.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, layer_idx: int | None = None) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self._kbuf: torch.Tensor | None = None
         self._vbuf: torch.Tensor | None = None
 
@@ -257,9 +260,10 @@ class ExactKVLayer(DynamicLayer):
         used = self.get_seq_length()
         n = key_states.shape[-2]
         if not self._owns_views() or used + n > self._kbuf.shape[2]:
-            # a prompt into an empty cache gets no spare slots (they would raise the prefill's peak memory above
-            # the original model's), the first step after it GROWTH
-            spare = GROWTH if used else 0
+            # a prompt into an empty cache gets only the layer's share of spare slots: all GROWTH would raise the
+            # prefill's peak memory, none would make every softmax layer grow at the first step at once
+            with model_layer(self.layer_idx):
+                spare = GROWTH if used else spare_slots(GROWTH)
             if used:
                 kept_form.note_regrown()
             kbuf = key_states.new_empty(*key_states.shape[:2], used + n + spare, key_states.shape[3])
@@ -298,7 +302,7 @@ def exact_kv_layer(cache: Cache, layer_idx: int) -> DynamicLayer | None:
     if isinstance(entry, ExactKVLayer):
         return entry
     if type(entry) is DynamicLayer and not entry.is_initialized:
-        cache.layers[layer_idx] = ExactKVLayer()
+        cache.layers[layer_idx] = ExactKVLayer(layer_idx)
         return cache.layers[layer_idx]
     return None
 
