@@ -13,7 +13,9 @@ model's decode latency. :func:`decode_step` computes the same outputs with ``dec
 * :class:`SinkWindowKernel`: the same, plus the exact sinks and window in one normalisation, the window
   sliding in place;
 * :class:`ExactHeadsKernel`: the exact heads' keys/values are written into spare slots of their buffer (grown by
-  :data:`GROWTH` slots when full, so the copy is amortised), the other heads as above;
+  :data:`GROWTH` slots when full, so the copy is amortised), the other heads as above; with a decode budget the
+  new key's page bounds are updated in place and a step past the budget attends to the selected pages only
+  (:mod:`oal.ops.page_select`: the bounds ranked, the selected pages' keys read, one task per exact head);
 * the kept form of any of them (:mod:`oal.kernels.kept`: below the memory crossover the cache keeps the kernel
   heads' keys and values instead of the state): the new key is written into a spare slot and the kernel part is
   evaluated over the kept keys through the kernel's factor, in blocks whose sums add up; the sinks and window are
@@ -36,7 +38,7 @@ from ..ops.quadratic.utils import feature_dim, query_weights
 from ..ops.sink_window import SinkWindowState
 from . import kept as kept_form
 from .base import GROWTH
-from .hybrid import ExactHeadsKernel, ExactHeadsState
+from .hybrid import ExactHeadsKernel, ExactHeadsState, bounds_buffer, refresh_bounds
 from .oal import OALKernel, oal_coefficients, oal_factor
 from .sink_window import SinkWindowKernel
 
@@ -124,6 +126,19 @@ def _grown(x: torch.Tensor, used: int) -> torch.Tensor:
     return out
 
 
+def _bounds(
+    kernel: ExactHeadsKernel, state: ExactHeadsState, ex_k: torch.Tensor, ex_ks: torch.Tensor | None, past: int
+) -> torch.Tensor:
+    """The page bounds buffer of the exact keys ``ex_k`` (grown to their capacity) for slots below ``past``:
+    the state's, or (a state from a path that keeps none) computed once from the keys."""
+    page = kernel.decode_page
+    if state.k_bounds is not None:
+        return bounds_buffer(state.k_bounds, ex_k, page)
+    bounds = bounds_buffer(None, ex_k, page)
+    refresh_bounds(bounds, ex_k, ex_ks, 0, past, page)
+    return bounds
+
+
 def decode_step(
     kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object, past: int, layer: int | None = None
 ):
@@ -147,7 +162,7 @@ def decode_step(
             inner = state.inner if isinstance(state, ExactHeadsState) else state
         else:
             inner = kept_form.grown(inner, limit)
-    ex_k = ex_v = ex_ks = ex_vs = _EMPTY
+    ex_k = ex_v = ex_ks = ex_vs = ex_b = _EMPTY
     if isinstance(kernel, ExactHeadsKernel):
         if not isinstance(state, ExactHeadsState) or state.offset != past:
             return None
@@ -160,6 +175,10 @@ def decode_step(
                 return None
             ex_ks, ex_vs = _grown(state.k_scale, past), _grown(state.v_scale, past)
             if not _on_cpu(ex_ks, ex_vs):
+                return None
+        if kernel.decode_budget is not None:
+            ex_b = _bounds(kernel, state, ex_k, ex_ks if kernel.kv_dtype == torch.int8 else None, past)
+            if not _on_cpu(ex_b, dtype=torch.bfloat16):
                 return None
     kept = isinstance(inner, kept_form.KeptKV)
     S = sink_k = sink_v = win_k = win_v = kept_k = kept_v = _EMPTY
@@ -215,6 +234,9 @@ def decode_step(
         oal.eps,
         sw is not None and (sw.n_sink > 0 or sw.window > 0),
         isinstance(kernel, ExactHeadsKernel) and kernel.product_dtype is not None,
+        ex_b,
+        kernel.decode_page if isinstance(kernel, ExactHeadsKernel) else 1,
+        (kernel.decode_budget or 0) if isinstance(kernel, ExactHeadsKernel) else 0,
     )
     new_inner = None
     if rest and kept:
@@ -223,7 +245,8 @@ def decode_step(
         new_inner = SinkWindowState(S, sink_k, sink_v, win_k, win_v, past + 1) if sw is not None else S
     if isinstance(kernel, ExactHeadsKernel):
         scales = (ex_ks, ex_vs) if kernel.kv_dtype == torch.int8 else (None, None)
-        return out.view(B, Hq, 1, dv), ExactHeadsState(ex_k, ex_v, new_inner, past + 1, *scales)
+        bounds = ex_b if kernel.decode_budget is not None else None
+        return out.view(B, Hq, 1, dv), ExactHeadsState(ex_k, ex_v, new_inner, past + 1, *scales, bounds)
     return out.view(B, Hq, 1, dv), new_inner
 
 
@@ -292,5 +315,8 @@ def softmax_decode_step(
         0.0,
         False,
         False,
+        _EMPTY,
+        1,
+        0,
     )
     return out.view(B, Hq, 1, dv)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..ops import page_select
 from ..ops.quadratic import cpu as cpu_kernels
 from .base import GROWTH, AttentionKernel, check_positions, context_end, in_prompt, repeat_kv, spare_slots
 from .oal import OALKernel, oal_attention, oal_coefficients, oal_factor
@@ -30,8 +31,10 @@ __all__ = [
     "ExactHeadsState",
     "EXACT_HEADS",
     "bf16_product_attention",
+    "bounds_buffer",
     "dequantize_int8",
     "quantize_int8",
+    "refresh_bounds",
 ]
 
 EXACT_HEADS = "exact-heads"
@@ -46,6 +49,9 @@ class ExactHeadsState(NamedTuple):
     inner kernel's state over the other KV heads (constant size), None when every KV head is exact.
     ``k_scale``, ``v_scale (B, E, capacity)`` fp32: with int8 keys and values (``kv_dtype=torch.int8``) each
     slot's scale (:func:`quantize_int8`), else None.
+    ``k_bounds (B, E, pages, 2, d)`` bf16: with a decode budget (``ExactHeadsKernel.decode_budget``), each page's
+    element-wise key minimum and maximum (:func:`oal.ops.page_select.page_bounds`) for the slots below ``offset``,
+    with room for the pages of every slot of the buffers; else None (built when a step needs them).
     """
 
     k: torch.Tensor
@@ -54,6 +60,7 @@ class ExactHeadsState(NamedTuple):
     offset: int
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    k_bounds: torch.Tensor | None = None
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +84,32 @@ def _stored(x: torch.Tensor, kv_dtype: torch.dtype | None) -> torch.Tensor:
     if kv_dtype == torch.int8:
         return dequantize_int8(*quantize_int8(x)).to(x.dtype)
     return x if kv_dtype is None else x.to(kv_dtype).to(x.dtype)
+
+
+def bounds_buffer(old: torch.Tensor | None, k: torch.Tensor, page: int) -> torch.Tensor:
+    """A ``(B, E, pages, 2, d)`` bf16 page-bounds buffer with a page for every slot of the key buffer ``k (B, E,
+    capacity, d)``: ``old`` where it has them, else a new one with ``old``'s pages copied in."""
+    pages = page_select.num_pages(k.shape[2], page)
+    if old is not None and old.shape[2] >= pages and old.is_contiguous():
+        return old
+    new = k.new_empty(k.shape[0], k.shape[1], pages, 2, k.shape[3], dtype=torch.bfloat16)
+    if old is not None:
+        new[:, :, : old.shape[2]] = old[:, :, :pages]
+    return new
+
+
+def refresh_bounds(
+    bounds: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor | None, start: int, end: int, page: int
+) -> None:
+    """Recompute, in place, the bounds of the pages that hold slots ``[start, end)`` of the key buffer ``k``
+    (from each page's first slot to ``end``; int8 keys dequantised with their scales ``k_scale``)."""
+    if end <= start:
+        return
+    p0 = start // page
+    keys = k[:, :, p0 * page : end]
+    if k_scale is not None:
+        keys = dequantize_int8(keys, k_scale[:, :, p0 * page : end])
+    bounds[:, :, p0 : page_select.num_pages(end, page)] = page_select.page_bounds(keys, page)
 
 
 def _check_heads(exact_kv_heads: Iterable[int], num_kv_heads: int) -> tuple[int, ...]:
@@ -241,6 +274,11 @@ class ExactHeadsKernel(AttentionKernel):
     ``round_kv=False``). Under autograd (training) only the queries are rounded (straight through) and the weights
     stay fp32 (SDPA and its fused backward): outputs within 2^-8 · max |v| of the rounded weights'; int8 keys and
     values are quantised straight through as well.
+    ``decode_budget`` (None, or a multiple of ``decode_page`` keys): a one-token step (decoding) over more keys than
+    the budget attends, per exact KV head, only to the ``decode_budget // decode_page`` pages of ``decode_page``
+    keys that :func:`oal.ops.page_select.select_pages` picks (page 0, the recent pages and those whose key bounds
+    promise the highest scores; Quest-style), so that a step reads ~``decode_budget`` keys whatever the context.
+    Prompts stay exact. The state then carries each page's key bounds (4 bytes per key and head at page 64).
     """
 
     cpu_extensions = ("chunk", "decode", "window")  # the exact part's prompt kernel
@@ -251,6 +289,8 @@ class ExactHeadsKernel(AttentionKernel):
         exact_kv_heads: Iterable[int],
         kv_dtype: torch.dtype | None = None,
         product_dtype: torch.dtype | None = None,
+        decode_budget: int | None = None,
+        decode_page: int = 64,
     ) -> None:
         if not isinstance(inner, (OALKernel, SinkWindowKernel)):
             raise ValueError(
@@ -265,8 +305,11 @@ class ExactHeadsKernel(AttentionKernel):
                 f"product_dtype: bf16 products need the keys and values stored in bf16 or int8 (kv_dtype="
                 f"torch.bfloat16 or torch.int8), got kv_dtype={kv_dtype!r}"
             )
+        page_select.check_budget(decode_budget, decode_page)
         super().__init__(inner.num_heads, inner.num_kv_heads, inner.head_dim)
         self.inner = inner
+        self.decode_budget = decode_budget
+        self.decode_page = decode_page
         self.exact_kv_heads = _check_heads(exact_kv_heads, inner.num_kv_heads)
         self.kv_dtype = kv_dtype
         self.product_dtype = product_dtype
@@ -281,6 +324,8 @@ class ExactHeadsKernel(AttentionKernel):
         kv = "" if self.kv_dtype is None else f", kv_dtype={self.kv_dtype}"
         if self.product_dtype is not None:
             kv += f", product_dtype={self.product_dtype}"
+        if self.decode_budget is not None:
+            kv += f", decode_budget={self.decode_budget}, decode_page={self.decode_page}"
         return f"name={self.name!r}, exact_kv_heads={list(self.exact_kv_heads)}{kv}"
 
     @property
@@ -449,7 +494,8 @@ class ExactHeadsKernel(AttentionKernel):
                 )
             inner_state = initial_state.inner
             old = (sk, sv) + (scales if int8 else ())
-            if output_final_state and in_prompt() and sk.shape[2] >= past + n:
+            reuse = output_final_state and in_prompt() and sk.shape[2] >= past + n
+            if reuse:
                 # a prompt in chunks (its caller owns the state): this chunk's keys and values go into the room
                 # its first chunk made, instead of a copy of all the past ones per chunk
                 bufs = old
@@ -460,6 +506,7 @@ class ExactHeadsKernel(AttentionKernel):
                 for buf, x in zip(bufs, old, strict=True):
                     buf[:, :, :past] = x[:, :, :past]
         else:
+            reuse = False
             bufs = self._exact_buffers(
                 k, v, kv_dtype, context_end(n) + spare_slots(GROWTH) if output_final_state else n
             )
@@ -477,10 +524,26 @@ class ExactHeadsKernel(AttentionKernel):
                 torch.cat([dequantize_int8(b[:, :, :past], sc[:, :, :past]).to(x.dtype), _straight_through(x)], 2)
                 for b, sc, x in ((bufs[0], bufs[2], kn), (bufs[1], bufs[3], vn))
             )
-            oe = self._exact_forward(qe, ke, ve, past).to(q.dtype)
+            ks = None
         else:
             live = tuple(b[:, :, : past + n] for b in bufs)
-            oe = self._exact_forward(qe, live[0], live[1], past, live[2:] if int8 else None).to(q.dtype)
+            ke, ve, ks = live[0], live[1], live[2:] if int8 else None
+        budget = self.decode_budget
+        selects = budget is not None and n == 1 and past + 1 > budget
+        bounds = None
+        if budget is not None and (output_final_state or selects):
+            bounds = self._bounds(initial_state, bufs, reuse, past, n)
+        if selects:  # a decode step over more keys than the budget: the selected pages' keys only
+            E, page = len(ex), self.decode_page
+            pages = page_select.select_pages(
+                qe.reshape(B, E, -1, qe.shape[-1]), bounds, past + 1, budget, page, self.scale
+            )
+            idx = page_select.page_keys(pages, past + 1, page)
+            ke, ve = page_select.gather_keys(ke, idx), page_select.gather_keys(ve, idx)
+            ks = None if ks is None else tuple(page_select.gather_keys(x, idx) for x in ks)
+            oe = self._exact_forward(qe, ke, ve, idx.shape[-1] - 1, ks).to(q.dtype)
+        else:
+            oe = self._exact_forward(qe, ke, ve, past, ks).to(q.dtype)
         new_inner = None
         if not self._kernel_q:
             o = oe
@@ -503,7 +566,22 @@ class ExactHeadsKernel(AttentionKernel):
             _put_heads(o, self._kernel_q, oi)
         if not output_final_state:
             return o, None
-        return o, ExactHeadsState(bufs[0], bufs[1], new_inner, past + n, *bufs[2:])
+        scales = bufs[2:] if int8 else (None, None)
+        return o, ExactHeadsState(bufs[0], bufs[1], new_inner, past + n, *scales, bounds)
+
+    def _bounds(self, initial_state: ExactHeadsState | None, bufs: tuple, reuse: bool, past: int, n: int):
+        """The page bounds of the keys in ``bufs`` after this call's ``n`` keys: ``initial_state``'s (valid below
+        ``past``; in place when its buffers are reused, else copied) with the new keys' pages recomputed, or all
+        pages computed where it has none."""
+        page = self.decode_page
+        old = None if initial_state is None else initial_state.k_bounds
+        bounds = bounds_buffer(old if reuse else None, bufs[0], page)
+        if old is not None and bounds is not old:
+            m = min(old.shape[2], bounds.shape[2])
+            bounds[:, :, :m] = old[:, :, :m]
+        scale = bufs[2] if len(bufs) > 2 else None
+        refresh_bounds(bounds, bufs[0], scale, past if old is not None else 0, past + n, page)
+        return bounds
 
     def _exact_buffers(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, capacity: int) -> tuple:
         """Empty ``(B, E, capacity, ·)`` key and value buffers of the exact heads in ``dtype``, and for int8 their
@@ -530,4 +608,6 @@ class ExactHeadsKernel(AttentionKernel):
         bufs = self._exact_buffers(k, v, kv_dtype, offset + spare_slots(GROWTH))
         for buf, x in zip(bufs, parts, strict=True):
             buf[:, :, :offset] = x
-        return ExactHeadsState(bufs[0], bufs[1], inner, offset, *bufs[2:])
+        scales = bufs[2:] if kv_dtype == torch.int8 else (None, None)
+        bounds = None if self.decode_budget is None else self._bounds(None, bufs, False, 0, offset)
+        return ExactHeadsState(bufs[0], bufs[1], inner, offset, *scales, bounds)

@@ -103,6 +103,8 @@ def kernel_config(kernel: AttentionKernel) -> dict[str, Any]:
             cfg["kv_dtype"] = str(kernel.kv_dtype).removeprefix("torch.")
         if kernel.product_dtype is not None:
             cfg["product_dtype"] = str(kernel.product_dtype).removeprefix("torch.")
+        if kernel.decode_budget is not None:
+            cfg.update(decode_budget=kernel.decode_budget, decode_page=kernel.decode_page)
         return cfg
     if isinstance(kernel, SinkWindowKernel):
         inner = kernel_config(kernel.inner)
@@ -130,10 +132,11 @@ def kernel_from_config(config: dict[str, Any]) -> AttentionKernel:
     cfg = dict(config)
     name = cfg.pop("name")
     if name == EXACT_HEADS:
-        if sorted(set(cfg) - {"kv_dtype", "product_dtype"}) != ["exact_kv_heads", "inner"]:
+        optional = {"kv_dtype", "product_dtype", "decode_budget", "decode_page"}
+        if sorted(set(cfg) - optional) != ["exact_kv_heads", "inner"]:
             raise ValueError(
-                f"config: expected the keys ['exact_kv_heads', 'inner'] (and optionally 'kv_dtype', "
-                f"'product_dtype') for {EXACT_HEADS!r}, got {sorted(cfg)}"
+                f"config: expected the keys ['exact_kv_heads', 'inner'] (and optionally {sorted(optional)}) for "
+                f"{EXACT_HEADS!r}, got {sorted(cfg)}"
             )
         dtypes = {}
         for key, allowed in (("kv_dtype", ("bfloat16", "int8")), ("product_dtype", ("bfloat16",))):
@@ -141,7 +144,8 @@ def kernel_from_config(config: dict[str, Any]) -> AttentionKernel:
             if value is not None and value not in allowed:
                 raise ValueError(f"config: {key} expected one of {list(allowed)} or absent, got {value!r}")
             dtypes[key] = None if value is None else getattr(torch, value)
-        return ExactHeadsKernel(kernel_from_config(cfg["inner"]), cfg["exact_kv_heads"], **dtypes)
+        budget = {key: cfg[key] for key in ("decode_budget", "decode_page") if key in cfg}
+        return ExactHeadsKernel(kernel_from_config(cfg["inner"]), cfg["exact_kv_heads"], **dtypes, **budget)
     if name in BASELINES:
         return BASELINES[name].from_config(config)
     missing = sorted({"num_heads", "num_kv_heads", "head_dim"} - set(cfg))

@@ -19,6 +19,11 @@
 //   quantised here as hybrid.py's quantize_int8 does, bit for bit; the integers are widened in registers and the
 //   scales folded into the scores and the weights, as hybrid.py's bf16_product_attention(round_kv=False) defines
 //   them with bf16 products).
+//   With a decode budget (../../page_select/naive.py, Quest-style) each exact head also keeps per page of `page`
+//   keys the bf16 element-wise minimum and maximum of its keys, updated here with the new key; a step over more
+//   pages than the budget's ranks the pages by the score bounds they give the group's queries and attends, in one
+//   task per head, to page 0, the recent pages and the best others only (runs of consecutive keys combined as the
+//   split-K parts are).
 //
 // * kept kernel heads (../../../kernels/kept.py: below the memory crossover the cache keeps a kernel head's keys and
 //   values instead of its state): the new key/value is written at slot t, and the kernel part is evaluated from the
@@ -53,6 +58,8 @@ constexpr int64_t EXACT_BLOCK = 2048;
 // kept keys of a kernel head per task (below the crossover, ≤ ~1.3k keys): a 1k head splits into 4 tasks whose sums
 // add up, so that batch 1's three heads keep both threads busy
 constexpr int64_t KEPT_BLOCK = 256;
+// pages a budgeted step always attends besides page 0: the new key's and the one before (page_select.RECENT_PAGES)
+constexpr int64_t RECENT_PAGES = 2;
 
 #include "common.h"
 
@@ -608,6 +615,61 @@ void kernel_part_of_head(const float* q, const float* W, const float* c, const f
   if (!done) kernel_part_any(p.data(), c, c0, G, R, d, dv, K, V, j0, j1, acc);
 }
 
+inline float from_bf16(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// The runs [j0, j1) of keys a budgeted step over keys 0 … t attends (page_select.select_pages): page 0, the
+// RECENT_PAGES last pages and the S - 1 - RECENT_PAGES others ranked by max_g (U_g(p) - max_p' U_g(p')), U_g(p) =
+// Σ_i max(a_gi lo_pi, a_gi hi_pi) with a = scale·q rounded to fp32, in fp64 (the fp32 × bf16 products exact; the
+// reference sums in another order, so only bounds within ~1e-15 could rank differently), ties to the lower page.
+// bounds: the head's (pages, 2, d) bf16 minima and maxima. Requires more than S pages.
+std::vector<std::pair<int64_t, int64_t>> selected_runs(const float* q, const uint16_t* bounds, int64_t G, int64_t d,
+                                                       int64_t t, int64_t page, int64_t S, float scale) {
+  const int64_t n = t + 1, P = (n + page - 1) / page, C = P - 1 - RECENT_PAGES;  // candidates: pages 1 … C
+  std::vector<double> a(G * d), U(G * C), score(C, -std::numeric_limits<double>::infinity());
+  for (int64_t c = 0; c < G * d; ++c) a[c] = double(scale * q[c]);
+  for (int64_t c = 0; c < C; ++c) {
+    const uint16_t* lo = bounds + (c + 1) * 2 * d;
+    const uint16_t* hi = lo + d;
+    for (int64_t g = 0; g < G; ++g) {
+      double s = 0.0;
+      for (int64_t i = 0; i < d; ++i) {
+        const double x = a[g * d + i];
+        s += std::max(x * double(from_bf16(lo[i])), x * double(from_bf16(hi[i])));
+      }
+      U[g * C + c] = s;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const double m = *std::max_element(U.begin() + g * C, U.begin() + (g + 1) * C);
+    for (int64_t c = 0; c < C; ++c) score[c] = std::max(score[c], U[g * C + c] - m);
+  }
+  std::vector<int64_t> order(C);
+  for (int64_t c = 0; c < C; ++c) order[c] = c;
+  const int64_t keep = S - 1 - RECENT_PAGES;
+  std::partial_sort(order.begin(), order.begin() + keep, order.end(), [&](int64_t x, int64_t y) {
+    return score[x] > score[y] || (score[x] == score[y] && x < y);
+  });
+  std::vector<int64_t> pages{0};
+  for (int64_t c = 0; c < keep; ++c) pages.push_back(order[c] + 1);
+  for (int64_t p = P - RECENT_PAGES; p < P; ++p) pages.push_back(p);
+  std::sort(pages.begin(), pages.end());
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (const int64_t p : pages) {
+    const int64_t j0 = p * page, j1 = std::min(n, j0 + page);
+    if (!runs.empty() && runs.back().second == j0) {
+      runs.back().second = j1;
+    } else {
+      runs.emplace_back(j0, j1);
+    }
+  }
+  return runs;
+}
+
 // the exact head's output from its P parts (each M (G,), total (G,), out (G, dv), packed one after another)
 void combine_exact_parts(const float* parts, int64_t P, int64_t G, int64_t dv, float* out) {
   const int64_t stride = G * (dv + 2);
@@ -643,7 +705,8 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                  Tensor& ex_k, Tensor& ex_v, Tensor& ex_ks, Tensor& ex_vs, const Tensor& kern_heads, Tensor& S, const Tensor& wq,
                  const Tensor& beta, Tensor& sink_k, Tensor& sink_v, Tensor& win_k, Tensor& win_v, Tensor& kept_k,
                  Tensor& kept_v, const Tensor& fw, const Tensor& fc, const Tensor& fc0, bool kept, int64_t t,
-                 int64_t n_sink, int64_t w, double scale, double floor, bool exact_part, bool ex_bf16_products) {
+                 int64_t n_sink, int64_t w, double scale, double floor, bool exact_part, bool ex_bf16_products,
+                 Tensor& ex_bounds, int64_t page, int64_t budget) {
   check_f32(q, "q", 3);
   check_f32(k, "k", 3);
   check_f32(v, "v", 3);
@@ -675,6 +738,24 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                   ex_ks.sizes(), " and ", ex_vs.sizes());
     }
   }
+  // page bounds of the exact keys (a decode budget): updated with the new key; a step past the budget selects
+  const bool has_bounds = E > 0 && ex_bounds.numel() > 0;
+  int64_t pcap = 0;
+  TORCH_CHECK(page >= 1, "page: expected a positive number of keys per page, got ", page);
+  if (has_bounds) {
+    TORCH_CHECK(ex_bounds.scalar_type() == at::kBFloat16 && ex_bounds.is_contiguous() && ex_bounds.dim() == 5 &&
+                    ex_bounds.device().is_cpu() && ex_bounds.size(0) == B && ex_bounds.size(1) == E &&
+                    ex_bounds.size(3) == 2 && ex_bounds.size(4) == d,
+                "ex_bounds: expected contiguous CPU (B, E, pages, 2, d) = (", B, ", ", E, ", pages, 2, ", d,
+                ") bfloat16 page bounds, got ", ex_bounds.sizes(), " ", ex_bounds.scalar_type());
+    pcap = ex_bounds.size(2);
+    TORCH_CHECK(pcap > t / page, "ex_bounds: expected a page for slot t=", t, " (", pcap, " pages of ", page, ")");
+  }
+  TORCH_CHECK(budget == 0 || (has_bounds && budget % page == 0 && budget / page >= RECENT_PAGES + 2),
+              "budget: expected 0, or a multiple of page of at least ", RECENT_PAGES + 2,
+              " pages with the page bounds ex_bounds, got ", budget);
+  const int64_t budget_pages = budget / page;                         // pages a budgeted step attends
+  const bool select = budget > 0 && (t + page) / page > budget_pages;  // more pages than the budget's
   bool kept_bf16 = false;  // kept keys and values stored in bf16 (a bf16 model's, exactly)
   if (K && kept) {
     kept_bf16 = kept_k.scalar_type() == at::kBFloat16;
@@ -730,6 +811,22 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
         std::memcpy(ex_k.data_ptr<float>() + ko, kx, sizeof(float) * d);
         std::memcpy(ex_v.data_ptr<float>() + vo, vx, sizeof(float) * dv);
       }
+      if (has_bounds) {  // the new key's page: its stored numbers rounded to bf16 (exact for bf16 storage)
+        uint16_t* lo = reinterpret_cast<uint16_t*>(ex_bounds.data_ptr<at::BFloat16>()) +
+                       ((b * E + i) * pcap + t / page) * 2 * d;
+        uint16_t* hi = lo + d;
+        const bool first = t % page == 0;
+        const float sk = ex_i8 ? ex_ks.data_ptr<float>()[(b * E + i) * cap + t] : 1.f;
+        for (int64_t r = 0; r < d; ++r) {
+          const float x = ex_bf16 ? from_bf16(ekb[ko + r])
+                          : ex_i8 ? float(ex_k.data_ptr<int8_t>()[ko + r]) * sk
+                                  : kx[r];
+          const uint16_t xb = to_bf16(x);
+          const float xr = from_bf16(xb);
+          if (first || xr < from_bf16(lo[r])) lo[r] = xb;
+          if (first || xr > from_bf16(hi[r])) hi[r] = xb;
+        }
+      }
     }
     if (kept)
       for (int64_t j = 0; j < K; ++j) {
@@ -748,7 +845,8 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
   }
   TORCH_CHECK(!ex_bf16_products || !E || ex_bf16 || ex_i8, "ex_bf16_products: expected the exact heads' keys and "
               "values in bfloat16 or int8, got ", ex_k.scalar_type());
-  const int64_t P = (t + 1 + EXACT_BLOCK - 1) / EXACT_BLOCK;  // split-K parts per exact head
+  // split-K parts per exact head (a budgeted step: one task per head over its selected runs)
+  const int64_t P = select ? 1 : (t + 1 + EXACT_BLOCK - 1) / EXACT_BLOCK;
   const int64_t part_size = G * (dv + 2);
   std::vector<float> parts(B * E * P * part_size);
   const int64_t w_eff = exact_part ? w : 0, n_sink_eff = exact_part ? n_sink : 0;
@@ -807,18 +905,31 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
         // int8: the head's scales beside its keys and values
         const float* ks = ex_i8 ? ex_ks.data_ptr<float>() + bi * cap : nullptr;
         const float* vs = ex_i8 ? ex_vs.data_ptr<float>() + bi * cap : nullptr;
-        auto part_of = [&](const auto* Ks, const auto* Vs) {
-          exact_part_of_head(ex_bf16_products ? qr.data() : qh, Ks + bi * cap * d, Vs + bi * cap * dv, slot, slot + G,
-                             slot + 2 * G, G, d, dv, j0, j1, ex_bf16_products ? 1.f : float(scale), ex_bf16_products,
+        auto part_of = [&](const auto* Ks, const auto* Vs, float* into, int64_t a0, int64_t a1) {
+          exact_part_of_head(ex_bf16_products ? qr.data() : qh, Ks + bi * cap * d, Vs + bi * cap * dv, into, into + G,
+                             into + 2 * G, G, d, dv, a0, a1, ex_bf16_products ? 1.f : float(scale), ex_bf16_products,
                              ks, vs);
         };
-        if (ex_bf16) {
-          part_of(ekb, evb);
-        } else if (ex_i8) {
-          part_of(ex_k.data_ptr<int8_t>(), ex_v.data_ptr<int8_t>());
-        } else {
-          part_of(ex_k.data_ptr<float>(), ex_v.data_ptr<float>());
+        auto parts_of = [&](float* into, int64_t a0, int64_t a1) {
+          if (ex_bf16) {
+            part_of(ekb, evb, into, a0, a1);
+          } else if (ex_i8) {
+            part_of(ex_k.data_ptr<int8_t>(), ex_v.data_ptr<int8_t>(), into, a0, a1);
+          } else {
+            part_of(ex_k.data_ptr<float>(), ex_v.data_ptr<float>(), into, a0, a1);
+          }
+        };
+        if (select) {  // the selected pages' runs, combined into the head's output here
+          const auto runs = selected_runs(qh, reinterpret_cast<const uint16_t*>(ex_bounds.data_ptr<at::BFloat16>()) +
+                                                  bi * pcap * 2 * d,
+                                          G, d, t, page, budget_pages, float(scale));
+          std::vector<float> run_parts(runs.size() * part_size);
+          for (size_t r = 0; r < runs.size(); ++r)
+            parts_of(run_parts.data() + r * part_size, runs[r].first, runs[r].second);
+          combine_exact_parts(run_parts.data(), int64_t(runs.size()), G, dv, op + (b * Hq + h * G) * dv);
+          continue;
         }
+        parts_of(slot, j0, j1);
         continue;
       }
       if (task >= n_kern) {  // a kept head's sinks and window, from its kept keys
@@ -851,6 +962,7 @@ void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
   at::parallel_for(0, B * K + B * E, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       if (task >= B * K) {
+        if (select) continue;  // written by its phase-1 task
         const int64_t bi = task - B * K, b = bi / E, h = eh[bi % E];
         combine_exact_parts(parts.data() + bi * P * part_size, P, G, dv, op + (b * Hq + h * G) * dv);
         continue;
