@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_decode import make_kernel, make_qkv
 
 from oal.kernels import ExactHeadsKernel
 from oal.kernels.decode import decode_step
@@ -14,8 +15,6 @@ from oal.kernels.hybrid import dequantize_int8
 from oal.kernels.registry import kernel_config, kernel_from_config
 from oal.ops.page_select import page_bounds, page_keys, select_pages
 from oal.ops.quadratic import cpu as cpu_kernel
-
-from test_decode import make_kernel, make_qkv
 
 fused = pytest.mark.skipif(
     cpu_kernel.load("decode") is None, reason="the fused CPU decode kernel did not build (no C++ compiler?)"
