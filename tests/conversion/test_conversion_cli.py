@@ -151,7 +151,7 @@ def test_convert_exact_kv_dtype_restores_a_converted_model(base_dir, tmp_path):
     int8 = tmp_path / "int8"
     result = invoke("convert", "--model", out, "--exact-kv-dtype", "int8", "--out", int8)
     assert result.exit_code == 0, result.output
-    assert "exact keys and values of 1 layers" in result.output
+    assert "exact heads of 1 layers" in result.output
     kernels = attached_kernels(load_model(int8))
     assert isinstance(kernels[1], ExactHeadsKernel) and kernels[1].kv_dtype == torch.int8
     before = attached_kernels(load_model(out))
@@ -164,6 +164,28 @@ def test_convert_exact_kv_dtype_restores_a_converted_model(base_dir, tmp_path):
         (["--model", base_dir, "--exact-kv-dtype", "int8"], "not a converted model"),
         (["--model", out, "--exact-kv-dtype", "int4"], "expected one of bfloat16, int8, model"),
         (["--model", out, "--exact-kv-dtype", "int8", "--layers", "1"], "re-saves a converted model as it is"),
+        (["--model", out, "--exact-decode-budget", "100"], "decode_budget"),
+        (["--model", out, "--exact-decode-budget", "64", "--exact-decode-page", "32"], "decode_budget"),
     ):
         result = invoke("convert", *args, "--out", tmp_path / "x")
         assert result.exit_code != 0 and message in result.output, result.output
+    # a decode budget (with the int8 dtype in the same call), then none again
+    paged = tmp_path / "paged"
+    result = invoke(
+        "convert",
+        "--model",
+        out,
+        "--exact-kv-dtype",
+        "int8",
+        "--exact-decode-budget",
+        "256",
+        "--exact-decode-page",
+        "16",
+        "--out",
+        paged,
+    )
+    assert result.exit_code == 0 and "decode budget 256 (pages of 16)" in result.output, result.output
+    k = attached_kernels(load_model(paged))[1]
+    assert (k.kv_dtype, k.decode_budget, k.decode_page) == (torch.int8, 256, 16)
+    assert invoke("convert", "--model", paged, "--exact-decode-budget", "0", "--out", tmp_path / "full").exit_code == 0
+    assert attached_kernels(load_model(tmp_path / "full"))[1].decode_budget is None

@@ -271,3 +271,40 @@ def test_int8_exact_cache_decodes_as_one_pass_and_round_trips(make_model, kernel
     loaded = load_converted(save_converted(model, tmp_path / "m", tokenizer=byte_tokenizer()))
     assert attached_kernels(loaded)[2].kv_dtype == torch.int8
     assert torch.equal(logits(loaded, ids), full)
+
+
+@pytest.mark.skipif(cpu_kernel.load("decode") is None, reason="the fused CPU decode kernel did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_budget_generates_alike_fused_and_torch_and_round_trips(make_model, dtype, spy_fast_path, tmp_path):
+    """set_exact_decode_budget: generate() past the budget gives the same tokens through the fused step as through
+    the torch path (fp32; a bf16 model through its own path), differs from the full exact heads' logits (pages
+    were left out), and the budget survives save / load."""
+    import oal.models.hooks as hooks
+    from oal.conversion.heads import set_exact_decode_budget
+
+    model = converted(make_model, "sink_window")
+    add_exact_heads(model, {1: [1], 2: [0]}, kv_dtype=torch.bfloat16, product_dtype=torch.bfloat16)
+    assert set_exact_decode_budget(model, 32, 8) == 2
+    model = model.to(dtype)
+    ids = torch.randint(1, 256, (2, 50), generator=torch.Generator().manual_seed(0))
+    calls = spy_fast_path(hooks, "decode_step")
+    kw = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0, "output_logits": True}
+    kw["return_dict_in_generate"] = True
+    with torch.no_grad():
+        fused = model.generate(ids, **kw)
+        n_fused = len(calls)
+        with cpu_kernel.disabled():
+            plain = model.generate(ids, **kw)
+    if dtype == torch.float32:  # 11 one-token steps through 2 converted layers, every one fused
+        assert n_fused == 22 and all(calls[:n_fused])
+    assert torch.equal(fused.sequences, plain.sequences)
+    got, want = torch.stack(fused.logits, 1), torch.stack(plain.logits, 1)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-4 if dtype == torch.float32 else 5e-2)
+    loaded = load_converted(save_converted(model, tmp_path / "m", tokenizer=byte_tokenizer()))
+    assert [(k.decode_budget, k.decode_page) for k in attached_kernels(loaded).values()] == [(32, 8), (32, 8)]
+    set_exact_decode_budget(model, None)
+    with torch.no_grad():
+        full = torch.stack(model.generate(ids, **kw).logits, 1)
+    assert not torch.allclose(full[:, 1:].float(), got[:, 1:].float(), atol=1e-3)  # the first token is the prompt's
+    with pytest.raises(ValueError, match="decode_budget"):
+        set_exact_decode_budget(model, 20, 8)

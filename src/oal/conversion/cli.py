@@ -67,7 +67,8 @@ def convert(
         typer.Option(
             "--recipe",
             help="Run a whole conversion recipe (calibration, exact heads; oal.conversion.recipe) instead: "
-            "'retrieval' (the default recipe), 'retrieval-int8kv' (its exact keys/values in int8), "
+            "'retrieval' (the default recipe), 'retrieval-fulldecode' (without its decode budget), "
+            "'retrieval-int8kv' (its exact keys/values in int8), "
             "'retrieval-fp32kv' (in fp32), "
             "'retrieval-copy' / 'retrieval-bf16kv' (copy-score heads only: no 8k retrieval) or 'kernel-only'. "
             "--kernel/--layers/--calibrated/--groups then do not apply.",
@@ -84,18 +85,33 @@ def convert(
             "8-bit exact cache) or 'model' (its dtype) and save it to --out; nothing else changes or runs.",
         ),
     ] = None,
+    exact_decode_budget: Annotated[
+        int | None,
+        typer.Option(
+            "--exact-decode-budget",
+            help="Re-save an already converted --model with a decode budget for its exact heads: a decode step over "
+            "more keys attends to this many, in the pages whose key bounds promise the highest scores (page 0 and "
+            "the recent pages always; 0: every key, the default); prompts stay exact. Combines with "
+            "--exact-kv-dtype.",
+        ),
+    ] = None,
+    exact_decode_page: Annotated[
+        int, typer.Option("--exact-decode-page", help="With --exact-decode-budget: keys per page.")
+    ] = 64,
 ) -> None:
     """Replace the attention of a layer range by a kernel and save the converted model (loads with
     `oal.models.load_model(DIR)`), run a whole conversion recipe (`--recipe retrieval`), or re-store a converted
-    model's exact keys and values in another dtype (`--exact-kv-dtype int8`)."""
-    if exact_kv_dtype is not None:
+    model's exact keys and values in another dtype (`--exact-kv-dtype int8`) or with a decode budget
+    (`--exact-decode-budget 1024`)."""
+    if exact_kv_dtype is not None or exact_decode_budget is not None:
+        hint = "--exact-kv-dtype" if exact_kv_dtype is not None else "--exact-decode-budget"
         if recipe is not None or layers or calibrated is not None or groups is not None or kernel != "oal":
             raise typer.BadParameter(
-                "--exact-kv-dtype re-saves a converted model as it is; leave --recipe/--kernel/--layers/--calibrated/"
-                "--groups out",
-                param_hint="--exact-kv-dtype",
+                f"{hint} re-saves a converted model as it is; leave --recipe/--kernel/--layers/--calibrated/--groups "
+                "out",
+                param_hint=hint,
             )
-        _restore_kv(model, out, exact_kv_dtype, overwrite)
+        _restore(model, out, exact_kv_dtype, exact_decode_budget, exact_decode_page, overwrite)
         return
     if recipe is not None:
         from .recipe import RECIPES, run_recipe
@@ -147,24 +163,36 @@ def convert(
     )
 
 
-def _restore_kv(model: str, out: Path, kv_dtype: str, overwrite: bool) -> None:
-    """``oal convert --exact-kv-dtype``: the converted ``model`` with its exact keys and values in ``kv_dtype``,
-    saved to ``out`` (kernels only where ``model`` was, with its recipe record, the dtype updated, beside it)."""
+def _restore(model: str, out: Path, kv_dtype: str | None, budget: int | None, page: int, overwrite: bool) -> None:
+    """``oal convert --exact-kv-dtype / --exact-decode-budget``: the converted ``model`` with its exact keys and
+    values in ``kv_dtype`` and / or with a decode budget (0: none), saved to ``out`` (kernels only where ``model``
+    was, with its recipe record, the fields updated, beside it)."""
     import json
 
     import torch
 
     from ..io import write_json
     from ..models import load_model, load_tokenizer
+    from ..ops.page_select import check_budget
     from .convert import conversion_info, save_converted
-    from .heads import set_exact_kv_dtype
-    from .recipe import with_exact_kv_dtype
+    from .heads import set_exact_decode_budget, set_exact_kv_dtype
+    from .recipe import with_recipe_fields
 
     dtypes = {"bfloat16": torch.bfloat16, "int8": torch.int8, "model": None}
-    if kv_dtype not in dtypes:
+    if kv_dtype is not None and kv_dtype not in dtypes:
         raise typer.BadParameter(
             f"expected one of {', '.join(dtypes)}, got {kv_dtype!r}", param_hint="--exact-kv-dtype"
         )
+    if budget is not None:
+        try:
+            check_budget(budget or None, page)
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint="--exact-decode-budget") from err
+    changes: dict = {}
+    if kv_dtype is not None:
+        changes["exact_kv_dtype"] = None if kv_dtype == "model" else kv_dtype
+    if budget is not None:
+        changes.update(exact_decode_budget=budget or None, exact_decode_page=page)
     console = Console(stderr=True)
     try:
         with console.status(f"loading {model}"):
@@ -173,10 +201,12 @@ def _restore_kv(model: str, out: Path, kv_dtype: str, overwrite: bool) -> None:
         info = conversion_info(base)
         if info is None:
             raise ValueError(f"--model: {model} is not a converted model (no oal_conversion in its config)")
-        layers = set_exact_kv_dtype(base, dtypes[kv_dtype])
-        stored = None if kv_dtype == "model" else kv_dtype
+        if kv_dtype is not None:
+            layers = set_exact_kv_dtype(base, dtypes[kv_dtype])
+        if budget is not None:
+            layers = set_exact_decode_budget(base, budget or None, page)
         if info.get("recipe"):  # the record names the recipe that gives these fields (the card's command)
-            base.config.oal_conversion = {**info, "recipe": with_exact_kv_dtype(info["recipe"], stored)}
+            base.config.oal_conversion = {**info, "recipe": with_recipe_fields(info["recipe"], **changes)}
         with console.status(f"writing {out}"):
             save_converted(base, out, tokenizer=tokenizer, overwrite=overwrite, base_weights=info.get("base_weights"))
     except (ValueError, FileNotFoundError, FileExistsError) as err:
@@ -184,10 +214,13 @@ def _restore_kv(model: str, out: Path, kv_dtype: str, overwrite: bool) -> None:
     record = Path(model) / "recipe.json"
     if record.is_file():
         data = json.loads(record.read_text())
-        data["recipe"] = with_exact_kv_dtype(data["recipe"], stored)
+        data["recipe"] = with_recipe_fields(data["recipe"], **changes)
         data["restored_from"] = str(model)
         write_json(out / "recipe.json", data)
-    console.print(f"exact keys and values of {layers} layers of {model} now in {kv_dtype}; wrote {out}")
+    what = [f"keys and values in {kv_dtype}"] if kv_dtype is not None else []
+    if budget is not None:
+        what.append(f"decode budget {budget or 'none'} (pages of {page})")
+    console.print(f"exact heads of {layers} layers of {model}: {', '.join(what)}; wrote {out}")
 
 
 def generate(

@@ -35,6 +35,7 @@ __all__ = [
     "output_errors",
     "rank_heads",
     "retrieval_head_scores",
+    "set_exact_decode_budget",
     "set_exact_kv_dtype",
 ]
 
@@ -191,6 +192,22 @@ def set_exact_kv_dtype(model: PreTrainedModel, kv_dtype: torch.dtype | None) -> 
         ExactHeadsKernel(kernel.inner, kernel.exact_kv_heads, kv_dtype, kernel.product_dtype)
     for kernel in kernels:
         kernel.kv_dtype = kv_dtype
+    return len(kernels)
+
+
+def set_exact_decode_budget(model: PreTrainedModel, budget: int | None, page: int = 64) -> int:
+    """Give every :class:`ExactHeadsKernel` of ``model`` a decode budget (``budget`` keys in pages of ``page``; None:
+    every decode step attends to all keys), in place: a one-token step over more keys than the budget attends to
+    the pages :func:`oal.ops.page_select.select_pages` picks. Prompts, and so perplexity over whole texts, are
+    unchanged. Returns the number of layers changed; raises on a budget the kernels refuse, before any changes."""
+    from ..ops.page_select import check_budget
+
+    kernels = [k for k in attached_kernels(model).values() if isinstance(k, ExactHeadsKernel)]
+    if not kernels:
+        raise ValueError("model: no layer has exact heads (ExactHeadsKernel) that a decode budget could apply to")
+    check_budget(budget, page)
+    for kernel in kernels:
+        kernel.decode_budget, kernel.decode_page = budget, page
     return len(kernels)
 
 

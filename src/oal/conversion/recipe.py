@@ -25,10 +25,16 @@
    ``product_dtype``): the scaled queries and softmax weights rounded to bf16, fp32 sums; on a core with
    AVX512_BF16 the prompt's exact heads run ~1.6× faster. Applied when the model is saved, after every stage
    above (none of which runs the exact heads).
+7. A decode step of the exact heads attends to at most ``exact_decode_budget`` (1024) of their keys once the
+   context is longer: page 0, the two recent pages and the 64-key pages whose key bounds promise the highest scores
+   (:class:`oal.kernels.ExactHeadsKernel` ``decode_budget``; Quest-style, :mod:`oal.ops.page_select`), so that the
+   step reads about as much at 8k as at 1k. Prompts stay exact; passkey and multikey answers on the evaluation
+   prompts are those of every key (docs/results/conversion). Applied when the model is saved.
 
 ``retrieval-fp32products`` is the default with fp32 products, ``retrieval-int8kv`` with int8 exact keys and
 values (an 8-bit exact cache, one fp32 scale per token and head), ``retrieval-fp32kv`` with fp32 exact keys and
-values (and products). ``retrieval-copy`` is the recipe of stops
+values (and products), ``retrieval-fulldecode`` without the decode budget (every decode step reads every exact
+key: the default until stop 40). ``retrieval-copy`` is the recipe of stops
 19–21 (the 20 copy-score heads only, fp32), ``retrieval-bf16kv`` the same with bf16 exact keys and values;
 both keep 1k–4k retrieval and lose 8k. ``kernel-only`` keeps no exact head and no β offset.
 
@@ -81,14 +87,23 @@ class Recipe:
     error_heads: int = 28
     error_len: int = 8192
     error_offset: int = 32768
+    # None: every decode step of the exact heads reads all their keys; N: a step over more keys attends to N of
+    # them, pages of exact_decode_page keys (ExactHeadsKernel decode_budget; applied when the model is saved)
+    exact_decode_budget: int | None = None
+    exact_decode_page: int = 64
 
+
+BUDGET = 1024  # the default recipe's exact_decode_budget
 
 RECIPES = {
-    "retrieval": Recipe("retrieval"),
-    "retrieval-fp32products": Recipe("retrieval-fp32products", exact_product_dtype=None),
+    "retrieval": Recipe("retrieval", exact_decode_budget=BUDGET),
+    "retrieval-fulldecode": Recipe("retrieval-fulldecode"),
+    "retrieval-fp32products": Recipe("retrieval-fp32products", exact_product_dtype=None, exact_decode_budget=BUDGET),
     # the 8-bit exact cache (ExactHeadsKernel kv_dtype int8: one fp32 scale per token and head)
-    "retrieval-int8kv": Recipe("retrieval-int8kv", exact_kv_dtype="int8"),
-    "retrieval-fp32kv": Recipe("retrieval-fp32kv", exact_kv_dtype=None, exact_product_dtype=None),
+    "retrieval-int8kv": Recipe("retrieval-int8kv", exact_kv_dtype="int8", exact_decode_budget=BUDGET),
+    "retrieval-fp32kv": Recipe(
+        "retrieval-fp32kv", exact_kv_dtype=None, exact_product_dtype=None, exact_decode_budget=BUDGET
+    ),
     # stops 19–21: copy-score heads only (1k–4k retrieval, not 8k)
     "retrieval-copy": Recipe("retrieval-copy", exact_kv_dtype=None, exact_product_dtype=None, error_heads=0),
     "retrieval-bf16kv": Recipe("retrieval-bf16kv", exact_product_dtype=None, error_heads=0),
@@ -104,15 +119,26 @@ def with_exact_kv_dtype(record: dict, kv_dtype: str | None) -> dict:
     exact keys and values in ``kv_dtype`` (``"bfloat16"``, ``"int8"`` or None): named as the recipe of
     :data:`RECIPES` that gives exactly those fields, if one does (``retrieval`` with int8: ``retrieval-int8kv``),
     else ``"<name>+exact_kv_dtype=<kv_dtype>"``."""
-    fields = {**record, "exact_kv_dtype": kv_dtype}
+    return with_recipe_fields(record, exact_kv_dtype=kv_dtype)
+
+
+def with_recipe_fields(record: dict, **changes) -> dict:
+    """A recipe record with ``changes`` applied (fields a record written before them lacks take the dataclass
+    defaults), named as the recipe of :data:`RECIPES` that gives exactly those fields, if one does, else
+    ``"<name>+field=value…"`` for the changed fields."""
+    defaults = asdict(Recipe(""))
+    fields = {**record, **changes}
+
+    def norm(d: dict) -> dict:
+        return {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k != "name"}
+
+    full = norm({**defaults, **{k: v for k, v in fields.items() if k in defaults}})
     for name, recipe in RECIPES.items():
-        if {k: v for k, v in asdict(recipe).items() if k != "name"} == {
-            k: (tuple(v) if isinstance(v, list) else v)
-            for k, v in fields.items()
-            if k in asdict(recipe) and k != "name"
-        }:
+        if norm(asdict(recipe)) == full:
             return {**fields, "name": name}
-    return {**fields, "name": f"{record.get('name')}+exact_kv_dtype={kv_dtype}"}
+    base = str(record.get("name")).split("+")[0]
+    extra = "".join(f"+{k}={v}" for k, v in changes.items() if v != defaults.get(k))
+    return {**fields, "name": base + extra}
 
 
 @contextmanager
@@ -146,7 +172,13 @@ def run_recipe(
     from ..fidelity.cli import run_calibrate
     from ..models import attach_kernel, attached_kernels, detach_kernel, load_model, load_tokenizer
     from .convert import convert_model, parse_layers, save_converted
-    from .heads import add_exact_heads, approximation_error_scores, rank_heads, retrieval_head_scores
+    from .heads import (
+        add_exact_heads,
+        approximation_error_scores,
+        rank_heads,
+        retrieval_head_scores,
+        set_exact_decode_budget,
+    )
 
     r = RECIPES.get(recipe) if isinstance(recipe, str) else recipe
     if r is None:
@@ -226,6 +258,8 @@ def run_recipe(
             add_exact_heads(
                 model, {layer: sorted(hs) for layer, hs in heads.items()}, kv_dtype=kv_dtype, product_dtype=products
             )
+            if r.exact_decode_budget is not None:
+                set_exact_decode_budget(model, r.exact_decode_budget, r.exact_decode_page)
         info = model.config.oal_conversion
         model.config.oal_conversion = {**info, "recipe": {**asdict(r), "beta_offset_applied": r.beta_offset}}
         base_weights = model_name if not Path(model_name).exists() else None
