@@ -115,8 +115,8 @@ def test_bench_decode_runs_points_in_subprocesses(base_dir, tmp_path):
     [
         (
             ["--recipe", "fastest"],
-            "expected one of retrieval, retrieval-fp32products, retrieval-int8kv, retrieval-fp32kv, retrieval-copy, "
-            "retrieval-bf16kv",
+            "expected one of retrieval, retrieval-fulldecode, retrieval-fp32products, retrieval-int8kv, "
+            "retrieval-fp32kv, retrieval-copy, retrieval-bf16kv, kernel-only, got 'fastest'",
         ),
         (["--recipe", "retrieval", "--kernel", "global"], "--recipe fixes the kernel"),
         (["--recipe", "retrieval", "--layers", "1-2"], "--recipe fixes the kernel"),
