@@ -26,6 +26,7 @@ import statistics
 import time
 
 import torch
+from rich.console import Console
 from rich.progress import track
 
 from oal.models import load_model
@@ -65,7 +66,7 @@ def main() -> None:
     pairs = list(state)
     times: dict[tuple[str, int], list[float]] = {p: [] for p in pairs}
     with torch.no_grad():
-        for i in track(range(args.steps), description="decode rounds"):
+        for i in track(range(args.steps), description="decode rounds", console=Console(stderr=True)):
             shift = i % len(pairs)
             for name, n in pairs[shift:] + pairs[:shift]:
                 cache, token = state[name, n]

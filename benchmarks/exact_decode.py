@@ -1,8 +1,8 @@
-"""One fused decode step (oal.kernels.decode) of a SmolLM2-shaped layer (9 query / 3 KV heads, d = 64) at N tokens
-with all three KV heads exact, their keys/values in fp32, bf16 or int8 (an 8-bit exact cache with per-token scales),
-with fp32 or bf16 products, and with none exact (sinks + 256 window + kernel): median of --steps steps (40) after a
-prefill.
-Reports the exact keys/values' MB (with the int8 scales) and the rate they are read at.
+"""One fused decode step (oal.kernels.decode) of a SmolLM2-shaped layer (9 query / 3 KV heads, d = 64) at N tokens with
+all three KV heads exact, their keys/values in fp32, bf16 or int8 (an 8-bit exact cache with per-token scales), with
+fp32 or bf16 products (bf16 also with a decode budget: page-selected steps), and with none exact (sinks + 256 window
++ kernel): median of --steps steps (40) after a prefill. Reports the exact keys/values' MB (with the int8 scales)
+and the rate they are read at.
 
     python benchmarks/exact_decode.py --n 8192 --threads 2
 """
@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--budget", type=int, default=1024, help="decode budget of the budgeted row (keys per exact head)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     Hq, Hkv, d, n = 9, 3, 64, args.n
@@ -36,6 +37,10 @@ def main() -> None:
         ("3 exact KV heads, fp32", ExactHeadsKernel(sw, (0, 1, 2))),
         ("3 exact KV heads, bf16", ExactHeadsKernel(sw, (0, 1, 2), kv_dtype=torch.bfloat16)),
         ("3 exact KV heads, bf16, bf16 products", ExactHeadsKernel(sw, (0, 1, 2), torch.bfloat16, torch.bfloat16)),
+        (
+            f"3 exact KV heads, bf16, bf16 products, decode budget {args.budget}",
+            ExactHeadsKernel(sw, (0, 1, 2), torch.bfloat16, torch.bfloat16, decode_budget=args.budget),
+        ),
         ("3 exact KV heads, int8", ExactHeadsKernel(sw, (0, 1, 2), kv_dtype=torch.int8)),
         ("3 exact KV heads, int8, bf16 products", ExactHeadsKernel(sw, (0, 1, 2), torch.int8, torch.bfloat16)),
         ("no exact head", sw),
