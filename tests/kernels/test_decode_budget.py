@@ -131,7 +131,7 @@ def test_reference_selection_is_the_naive_one():
 @given(
     Hkv=st.integers(1, 3),
     ratio=st.sampled_from([1, 2, 3, 5]),
-    d=st.sampled_from([8, 32, 64]),
+    d=st.sampled_from([8, 12, 32, 64]),
     page=st.sampled_from([4, 16, 64]),
     pages=st.integers(4, 9),
     n_prefill=st.integers(1, 400),

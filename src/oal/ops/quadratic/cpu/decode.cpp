@@ -622,27 +622,72 @@ inline float from_bf16(uint16_t x) {
   return f;
 }
 
+#if defined(__AVX512F__)
+// bound_scores for GB ≤ 4 query heads with d % 8 == 0: the page's bounds loaded once, 2·GB independent chains of
+// fp64 FMAs held in registers, each head's two reduced by a tree
+template <int GB>
+void bound_scores_block(const double* ap, const double* an, const double* lo, const double* hi, int64_t d, double* U,
+                        int64_t stride) {
+  __m512d acc_hi[GB], acc_lo[GB];
+  for (int g = 0; g < GB; ++g) acc_hi[g] = acc_lo[g] = _mm512_setzero_pd();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m512d h = _mm512_loadu_pd(hi + i), l = _mm512_loadu_pd(lo + i);
+    for (int g = 0; g < GB; ++g) {
+      acc_hi[g] = _mm512_fmadd_pd(_mm512_loadu_pd(ap + g * d + i), h, acc_hi[g]);
+      acc_lo[g] = _mm512_fmadd_pd(_mm512_loadu_pd(an + g * d + i), l, acc_lo[g]);
+    }
+  }
+  for (int g = 0; g < GB; ++g) U[g * stride] = _mm512_reduce_add_pd(_mm512_add_pd(acc_hi[g], acc_lo[g]));
+}
+#endif
+
+// U[g · stride] = Σ_i (ap_gi hi_i + an_gi lo_i) over i < d in fp64 for the G query heads (ap, an (G, d)) of one
+// page: the products are exact (one factor of each pair is zero, the other an fp32 × bf16 product); summed in 8-lane
+// vectors where AVX-512 has them (bound_scores_block), else in order
+inline void bound_scores(const double* ap, const double* an, const double* lo, const double* hi, int64_t G, int64_t d,
+                         double* U, int64_t stride) {
+  int64_t g0 = 0;
+#if defined(__AVX512F__)
+  if (d % 8 == 0) {
+    for (; g0 < G; g0 += 4) {
+      const double *p = ap + g0 * d, *m = an + g0 * d;
+      switch (std::min<int64_t>(4, G - g0)) {
+        case 1: bound_scores_block<1>(p, m, lo, hi, d, U + g0 * stride, stride); break;
+        case 2: bound_scores_block<2>(p, m, lo, hi, d, U + g0 * stride, stride); break;
+        case 3: bound_scores_block<3>(p, m, lo, hi, d, U + g0 * stride, stride); break;
+        default: bound_scores_block<4>(p, m, lo, hi, d, U + g0 * stride, stride); break;
+      }
+    }
+  }
+#endif
+  for (int64_t g = g0; g < G; ++g) {
+    double s = 0.0;
+    for (int64_t i = 0; i < d; ++i) s += ap[g * d + i] * hi[i] + an[g * d + i] * lo[i];
+    U[g * stride] = s;
+  }
+}
+
 // The runs [j0, j1) of keys a budgeted step over keys 0 … t attends (page_select.select_pages): page 0, the
 // RECENT_PAGES last pages and the S - 1 - RECENT_PAGES others ranked by max_g (U_g(p) - max_p' U_g(p')), U_g(p) =
-// Σ_i max(a_gi lo_pi, a_gi hi_pi) with a = scale·q rounded to fp32, in fp64 (the fp32 × bf16 products exact; the
-// reference sums in another order, so only bounds within ~1e-15 could rank differently), ties to the lower page.
-// bounds: the head's (pages, 2, d) bf16 minima and maxima. Requires more than S pages.
+// Σ_i max(a_gi lo_pi, a_gi hi_pi) with a = scale·q rounded to fp32, in fp64, ties to the lower page. Each term is
+// a⁺_gi hi_pi + a⁻_gi lo_pi (a⁺ = max(a, 0), a⁻ = min(a, 0)): one product is zero and the other the reference's
+// term, exactly (fp32 × bf16 products are exact in fp64); bound_scores sums them in another order than the
+// reference, so only bounds within ~1e-15 of each other could rank differently. bounds: the head's (pages, 2, d)
+// bf16 minima and maxima. Requires more than S pages.
 std::vector<std::pair<int64_t, int64_t>> selected_runs(const float* q, const uint16_t* bounds, int64_t G, int64_t d,
                                                        int64_t t, int64_t page, int64_t S, float scale) {
   const int64_t n = t + 1, P = (n + page - 1) / page, C = P - 1 - RECENT_PAGES;  // candidates: pages 1 … C
-  std::vector<double> a(G * d), U(G * C), score(C, -std::numeric_limits<double>::infinity());
-  for (int64_t c = 0; c < G * d; ++c) a[c] = double(scale * q[c]);
+  std::vector<double> pos(G * d), neg(G * d), U(G * C), score(C, -std::numeric_limits<double>::infinity());
+  for (int64_t c = 0; c < G * d; ++c) {
+    const double x = double(scale * q[c]);
+    pos[c] = std::max(x, 0.0);
+    neg[c] = std::min(x, 0.0);
+  }
+  std::vector<double> lo(d), hi(d);
   for (int64_t c = 0; c < C; ++c) {
-    const uint16_t* lo = bounds + (c + 1) * 2 * d;
-    const uint16_t* hi = lo + d;
-    for (int64_t g = 0; g < G; ++g) {
-      double s = 0.0;
-      for (int64_t i = 0; i < d; ++i) {
-        const double x = a[g * d + i];
-        s += std::max(x * double(from_bf16(lo[i])), x * double(from_bf16(hi[i])));
-      }
-      U[g * C + c] = s;
-    }
+    const uint16_t* b = bounds + (c + 1) * 2 * d;
+    for (int64_t i = 0; i < d; ++i) lo[i] = double(from_bf16(b[i])), hi[i] = double(from_bf16(b[d + i]));
+    bound_scores(pos.data(), neg.data(), lo.data(), hi.data(), G, d, U.data() + c, C);
   }
   for (int64_t g = 0; g < G; ++g) {
     const double m = *std::max_element(U.begin() + g * C, U.begin() + (g + 1) * C);
