@@ -13,17 +13,10 @@ tensors).
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 from pathlib import Path
 
-from oal.conversion import save_converted
 from oal.conversion.card import measurements_from_results
-from oal.conversion.heads import set_exact_decode_budget
-from oal.conversion.recipe import RECIPES, with_recipe_fields
-from oal.io import write_json
-from oal.models import load_model, load_tokenizer
+from oal.conversion.recipe import RECIPES, restore_converted
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "docs/results/conversion/model"
@@ -33,25 +26,19 @@ DECODE = ROOT / "docs/results/bench/model/stop40/recipe_b1/decode.json"
 
 def main() -> None:
     recipe = RECIPES["retrieval"]
-    budget = {"exact_decode_budget": recipe.exact_decode_budget, "exact_decode_page": recipe.exact_decode_page}
     measured = measurements_from_results(RESULTS / "original", RESULTS / "budget", decode=DECODE)
     texts = measurements_from_results(RESULTS / "original", RESULTS / "converted")
     rows = [r for r in measured if "accuracy" in r["what"]]
     rows += [r for r in texts if "perplexity" in r["what"]]
     rows += [r for r in measured if "accuracy" not in r["what"]]
-    with tempfile.TemporaryDirectory() as tmp:
-        record = Path(tmp) / "recipe.json"
-        shutil.copy(MODEL / "recipe.json", record)
-        model, tokenizer = load_model(str(MODEL)), load_tokenizer(str(MODEL))
-        set_exact_decode_budget(model, recipe.exact_decode_budget, recipe.exact_decode_page)
-        info = model.config.oal_conversion
-        model.config.oal_conversion = {**info, "recipe": with_recipe_fields(info["recipe"], **budget)}
-        save_converted(
-            model, MODEL, tokenizer=tokenizer, base_weights=info["base_weights"], overwrite=True, measurements=rows
-        )
-        data = json.loads(record.read_text())
-        data["recipe"] = with_recipe_fields(data["recipe"], **budget)
-        write_json(MODEL / "recipe.json", data)
+    restore_converted(
+        str(MODEL),
+        MODEL,
+        decode_budget=recipe.exact_decode_budget,
+        decode_page=recipe.exact_decode_page,
+        overwrite=True,
+        measurements=rows,
+    )
 
 
 if __name__ == "__main__":

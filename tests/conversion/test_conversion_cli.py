@@ -189,3 +189,42 @@ def test_convert_exact_kv_dtype_restores_a_converted_model(base_dir, tmp_path):
     assert (k.kv_dtype, k.decode_budget, k.decode_page) == (torch.int8, 256, 16)
     assert invoke("convert", "--model", paged, "--exact-decode-budget", "0", "--out", tmp_path / "full").exit_code == 0
     assert attached_kernels(load_model(tmp_path / "full"))[1].decode_budget is None
+
+
+def test_restore_in_place_keeps_and_renames_the_recipe_record(base_dir, tmp_path):
+    """`restore_converted(model, model, overwrite=True)` (what benchmarks/write_model_card.py does to the committed
+    model) reads recipe.json before the directory is rewritten: the record survives, with the new fields and the
+    recipe name they make; a re-store elsewhere also names where it came from."""
+    import json
+    from dataclasses import asdict
+
+    import torch
+
+    from oal.conversion.convert import save_converted
+    from oal.conversion.heads import add_exact_heads
+    from oal.conversion.recipe import RECIPES, restore_converted
+    from oal.models import load_tokenizer
+
+    out = tmp_path / "converted"
+    groups = write_groups(tmp_path / "groups.json")
+    assert invoke("convert", "--model", base_dir, "--layers", "1-2", "--groups", groups, "--out", out).exit_code == 0
+    model = load_model(out)
+    add_exact_heads(model, {1: [0]}, kv_dtype=torch.bfloat16)
+    save_converted(model, out, tokenizer=load_tokenizer(out), overwrite=True)
+    record = {"recipe": asdict(RECIPES["retrieval-fulldecode"]), "model": "tiny"}
+    (out / "recipe.json").write_text(json.dumps(record))
+    full = RECIPES["retrieval"]
+    assert (
+        restore_converted(
+            str(out), out, decode_budget=full.exact_decode_budget, decode_page=full.exact_decode_page, overwrite=True
+        )
+        == 1
+    )
+    kept = json.loads((out / "recipe.json").read_text())
+    assert kept["recipe"]["name"] == "retrieval" and kept["recipe"]["exact_decode_budget"] == full.exact_decode_budget
+    assert kept["model"] == "tiny" and "restored_from" not in kept
+    assert attached_kernels(load_model(out))[1].decode_budget == full.exact_decode_budget
+    other = tmp_path / "other"
+    restore_converted(str(out), other, decode_budget=None)
+    moved = json.loads((other / "recipe.json").read_text())
+    assert moved["recipe"]["name"] == "retrieval-fulldecode" and moved["restored_from"] == str(out)

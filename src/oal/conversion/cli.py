@@ -164,19 +164,12 @@ def convert(
 
 
 def _restore(model: str, out: Path, kv_dtype: str | None, budget: int | None, page: int, overwrite: bool) -> None:
-    """``oal convert --exact-kv-dtype / --exact-decode-budget``: the converted ``model`` with its exact keys and
-    values in ``kv_dtype`` and / or with a decode budget (0: none), saved to ``out`` (kernels only where ``model``
-    was, with its recipe record, the fields updated, beside it)."""
-    import json
-
+    """``oal convert --exact-kv-dtype / --exact-decode-budget``: :func:`oal.conversion.recipe.restore_converted`
+    of ``model`` to ``out`` with its exact keys and values in ``kv_dtype`` and / or with a decode budget (0: none)."""
     import torch
 
-    from ..io import write_json
-    from ..models import load_model, load_tokenizer
     from ..ops.page_select import check_budget
-    from .convert import conversion_info, save_converted
-    from .heads import set_exact_decode_budget, set_exact_kv_dtype
-    from .recipe import with_recipe_fields
+    from .recipe import KEEP, restore_converted
 
     dtypes = {"bfloat16": torch.bfloat16, "int8": torch.int8, "model": None}
     if kv_dtype is not None and kv_dtype not in dtypes:
@@ -188,35 +181,19 @@ def _restore(model: str, out: Path, kv_dtype: str | None, budget: int | None, pa
             check_budget(budget or None, page)
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint="--exact-decode-budget") from err
-    changes: dict = {}
-    if kv_dtype is not None:
-        changes["exact_kv_dtype"] = None if kv_dtype == "model" else kv_dtype
-    if budget is not None:
-        changes.update(exact_decode_budget=budget or None, exact_decode_page=page)
     console = Console(stderr=True)
     try:
-        with console.status(f"loading {model}"):
-            base = load_model(model)
-            tokenizer = load_tokenizer(model)
-        info = conversion_info(base)
-        if info is None:
-            raise ValueError(f"--model: {model} is not a converted model (no oal_conversion in its config)")
-        if kv_dtype is not None:
-            layers = set_exact_kv_dtype(base, dtypes[kv_dtype])
-        if budget is not None:
-            layers = set_exact_decode_budget(base, budget or None, page)
-        if info.get("recipe"):  # the record names the recipe that gives these fields (the card's command)
-            base.config.oal_conversion = {**info, "recipe": with_recipe_fields(info["recipe"], **changes)}
-        with console.status(f"writing {out}"):
-            save_converted(base, out, tokenizer=tokenizer, overwrite=overwrite, base_weights=info.get("base_weights"))
+        with console.status(f"re-storing {model} to {out}"):
+            layers = restore_converted(
+                model,
+                out,
+                kv_dtype=KEEP if kv_dtype is None else dtypes[kv_dtype],
+                decode_budget=KEEP if budget is None else budget or None,
+                decode_page=page,
+                overwrite=overwrite,
+            )
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         raise _bad(err) from err
-    record = Path(model) / "recipe.json"
-    if record.is_file():
-        data = json.loads(record.read_text())
-        data["recipe"] = with_recipe_fields(data["recipe"], **changes)
-        data["restored_from"] = str(model)
-        write_json(out / "recipe.json", data)
     what = [f"keys and values in {kv_dtype}"] if kv_dtype is not None else []
     if budget is not None:
         what.append(f"decode budget {budget or 'none'} (pages of {page})")

@@ -60,7 +60,7 @@ from ..io import write_json
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RECIPES", "Recipe", "run_recipe"]
+__all__ = ["KEEP", "RECIPES", "Recipe", "restore_converted", "run_recipe"]
 
 DEFAULT_INIT = Path("docs/results/calibration/oal_3-26")
 DEFAULT_GROUPS = Path("docs/results/calibration/groups.json")
@@ -139,6 +139,65 @@ def with_recipe_fields(record: dict, **changes) -> dict:
     base = str(record.get("name")).split("+")[0]
     extra = "".join(f"+{k}={v}" for k, v in changes.items() if v != defaults.get(k))
     return {**fields, "name": base + extra}
+
+
+# restore_converted's default for a setting it leaves as the model has it
+KEEP = object()
+
+
+def restore_converted(
+    model: str,
+    out: str | Path,
+    *,
+    kv_dtype: torch.dtype | None | object = KEEP,
+    decode_budget: int | None | object = KEEP,
+    decode_page: int = 64,
+    overwrite: bool = False,
+    measurements: list[dict] | None = None,
+) -> int:
+    """Re-store the converted ``model`` (a directory) at ``out`` with its exact heads' keys and values in
+    ``kv_dtype`` (None: the model's dtype) and / or with a decode budget (None: every key), each left as it is when
+    :data:`KEEP`: the recipe record in its config and in its ``recipe.json`` (read before anything is written, so
+    ``out`` may be ``model`` with ``overwrite``) get the changed fields and the recipe name they make
+    (:func:`with_recipe_fields`); ``measurements`` become the card's table. Returns the number of layers changed;
+    raises ValueError for a model that is not converted or a setting its kernels refuse, before writing."""
+    from ..io import read_json
+    from ..models import load_model, load_tokenizer
+    from .convert import conversion_info, save_converted
+    from .heads import set_exact_decode_budget, set_exact_kv_dtype
+
+    changes: dict = {}
+    if kv_dtype is not KEEP:
+        changes["exact_kv_dtype"] = None if kv_dtype is None else str(kv_dtype).removeprefix("torch.")
+    if decode_budget is not KEEP:
+        changes.update(exact_decode_budget=decode_budget, exact_decode_page=decode_page)
+    record_path = Path(model) / "recipe.json"
+    record = read_json(record_path) if record_path.is_file() else None
+    base, tokenizer = load_model(model), load_tokenizer(model)
+    info = conversion_info(base)
+    if info is None:
+        raise ValueError(f"model: {model} is not a converted model (no oal_conversion in its config)")
+    layers = 0
+    if kv_dtype is not KEEP:
+        layers = set_exact_kv_dtype(base, kv_dtype)
+    if decode_budget is not KEEP:
+        layers = set_exact_decode_budget(base, decode_budget, decode_page)
+    if info.get("recipe"):  # the record names the recipe that gives these fields (the card's command)
+        base.config.oal_conversion = {**info, "recipe": with_recipe_fields(info["recipe"], **changes)}
+    save_converted(
+        base,
+        out,
+        tokenizer=tokenizer,
+        overwrite=overwrite,
+        base_weights=info.get("base_weights"),
+        measurements=measurements,
+    )
+    if record is not None:
+        record["recipe"] = with_recipe_fields(record["recipe"], **changes)
+        if Path(out).resolve() != Path(model).resolve():
+            record["restored_from"] = str(model)
+        write_json(Path(out) / "recipe.json", record)
+    return layers
 
 
 @contextmanager
