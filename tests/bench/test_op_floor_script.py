@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,11 +17,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "op_floor.py"
 
 
 @pytest.fixture(scope="module")
-def floor_module():
-    spec = importlib.util.spec_from_file_location("op_floor", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def floor_module(load_benchmark):
+    return load_benchmark("op_floor")
 
 
 @pytest.mark.parametrize("n, chunk", [(1, 64), (63, 16), (100, 32), (128, 64)])

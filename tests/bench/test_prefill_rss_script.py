@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -17,11 +16,8 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="n
 
 
 @pytest.fixture(scope="module")
-def rss_module():
-    spec = importlib.util.spec_from_file_location("prefill_rss", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def rss_module(load_benchmark):
+    return load_benchmark("prefill_rss")
 
 
 def test_mappings_add_up_to_the_resident_set(rss_module):
