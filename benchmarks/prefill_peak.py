@@ -24,20 +24,26 @@ import time
 import torch
 
 
-def point(model_name: str, n: int, chunk: int, release: bool, dtype: str) -> dict[str, object]:
+def build(model_name: str, dtype: str) -> torch.nn.Module:
+    """``original``, ``recipe`` (the committed converted model) or ``plain`` (OAL on layers 3–26, synthetic groups)."""
     from oal.bench.decode import DecodeConfig, build_model
-    from oal.bench.devices import get_device, heap_kept_bytes
-    from oal.models import KernelCache
-    from oal.models.prefill import heap_released_before_output
 
-    torch.set_num_threads(2)
     config = DecodeConfig(
         converted="docs/results/conversion/model" if model_name == "recipe" else None,
         kernel="oal",
         layers="3-26",
         dtype=dtype,
     )
-    model = build_model("original" if model_name == "original" else "converted", config)
+    return build_model("original" if model_name == "original" else "converted", config)
+
+
+def point(model_name: str, n: int, chunk: int, release: bool, dtype: str) -> dict[str, object]:
+    from oal.bench.devices import get_device, heap_kept_bytes
+    from oal.models import KernelCache
+    from oal.models.prefill import heap_released_before_output
+
+    torch.set_num_threads(2)
+    model = build(model_name, dtype)
     model.config.oal_prefill_chunk = chunk
     model.config.oal_release_prompt_heap = release
     control = heap_released_before_output(model) if release and model_name == "original" else contextlib.nullcontext()
