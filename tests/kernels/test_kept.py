@@ -254,3 +254,85 @@ def test_spare_slots_spread_layers_over_the_growth_cycle():
             assert 0 <= spare_slots(16) < 16
     assert sorted(shares) == list(range(GROWTH))
     assert spare_slots(GROWTH) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("Hq, Hkv", [(3, 3), (9, 3)])
+@pytest.mark.parametrize("pieces", [(1, 2), (63, 18), (30, 1, 17, 33)])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_extend_evaluates_after_the_kept_keys_without_a_fold(kind, Hq, Hkv, pieces, model_dtype, monkeypatch):
+    """A prompt in pieces that stays in the kept form (d = 16: ≤ 81 tokens): every later piece's queries are
+    evaluated over the kept and the new keys with no state (queries aligned at the end of the keys), so the outputs
+    are the one call's over the whole prompt (fp32 rounding), the kept keys are the prompt's with model layer 3's
+    spare slots after them (as a one-call prompt leaves them), and nothing is folded."""
+    from oal.kernels.base import model_layer
+
+    d, B, n = 16, 2, sum(pieces)
+    folded = []
+    monkeypatch.setattr(kept_form, "_fold_inner", lambda *a: folded.append(a))
+    kernel = make_kernel(kind, Hq, Hkv, d, exact=(Hkv - 1,))
+    q, k, v = (x.bfloat16().float() for x in make_qkv(B, Hq, Hkv, n, d))
+    with torch.no_grad(), model_layer(3):
+        want, _ = kernel(q, k, v)
+        o, state = kept_form.start(
+            kernel, q[:, :, : pieces[0]], k[:, :, : pieces[0]], v[:, :, : pieces[0]], model_dtype
+        )
+        outs, at = [o], pieces[0]
+        for size in pieces[1:]:
+            piece = (x[:, :, at : at + size] for x in (q, k, v))
+            o, state = kept_form.extend(kernel, *piece, state, model_dtype)
+            outs.append(o)
+            at += size
+    assert not folded
+    torch.testing.assert_close(torch.cat(outs, 2), want, rtol=2e-5, atol=2e-5)
+    kept = kept_of(state)
+    heads = list(kernel.kernel_kv_heads) if isinstance(kernel, ExactHeadsKernel) else list(range(Hkv))
+    assert kept.length == n and kept.k.dtype == model_dtype
+    if len(pieces) > 1:
+        assert kept.k.shape[2] == kept.v.shape[2] == n + 41 * 3 % KEPT_GROWTH
+    torch.testing.assert_close(kept.k[:, :, :n].float(), k[:, heads], rtol=0, atol=0)
+    torch.testing.assert_close(kept.v[:, :, :n].float(), v[:, heads], rtol=0, atol=0)
+    if isinstance(state, ExactHeadsState):
+        torch.testing.assert_close(state.k[:, :, :n].float(), k[:, list(kernel.exact_kv_heads)], rtol=0, atol=0)
+        assert state.offset == n
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_extend_without_the_fused_path_folds(kind, monkeypatch):
+    """Where the fused kernels cannot take a chunk after the kept keys, it comes from the folded state (the
+    kernel's chunked mode): the naive reference's outputs, the same kept keys after."""
+    d, Hq, Hkv = 16, 6, 2
+    monkeypatch.setattr(kept_form, "_at_end_usable", lambda kernel: False)
+    folds = []
+    fold_inner = kept_form._fold_inner
+    monkeypatch.setattr(kept_form, "_fold_inner", lambda *a: folds.append(1) or fold_inner(*a))
+    kernel = make_kernel(kind, Hq, Hkv, d, exact=(Hkv - 1,))
+    q, k, v = make_qkv(2, Hq, Hkv, 60, d)
+    with torch.no_grad():
+        o, state = kept_form.start(kernel, q[:, :, :20].float(), k[:, :, :20].float(), v[:, :, :20].float())
+        outs = [o]
+        for a, b in ((20, 35), (35, 60)):
+            o, state = kept_form.extend(kernel, q[:, :, a:b].float(), k[:, :, a:b].float(), v[:, :, a:b].float(), state)
+            outs.append(o)
+    assert len(folds) == 2 and kept_of(state).length == 60
+    torch.testing.assert_close(torch.cat(outs, 2).double(), reference(kernel, q, k, v), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("inner", ["exact+oal", "exact+sink_window"])
+def test_exact_heads_kernel_takes_a_kept_inner_state(inner):
+    """ExactHeadsKernel's inner kernel continues from a kept form given as its state (no fold): the new tokens'
+    outputs are the one call's rows, the state after holds the kept form grown; under autograd (no fused path) a
+    kept inner state is refused, naming the fold."""
+    d, Hq, Hkv = 16, 9, 3
+    kernel = make_kernel(inner, Hq, Hkv, d, exact=(1,))
+    q, k, v = (x.float() for x in make_qkv(1, Hq, Hkv, 40, d))
+    with torch.no_grad():
+        want, _ = kernel(q, k, v)
+        _, state = kept_form.start(kernel, q[:, :, :25], k[:, :, :25], v[:, :, :25])
+        assert isinstance(state.inner, KeptKV)
+        o, after = kernel(q[:, :, 25:], k[:, :, 25:], v[:, :, 25:], initial_state=state, output_final_state=True)
+    torch.testing.assert_close(o, want[:, :, 25:], rtol=2e-5, atol=2e-5)
+    assert isinstance(after.inner, KeptKV) and after.inner.length == after.offset == 40
+    torch.testing.assert_close(after.inner.k[:, :, :40], k[:, [0, 2]], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="initial_state: a kept form .* fold it"):
+        kernel(q[:, :, 25:].requires_grad_(), k[:, :, 25:], v[:, :, 25:], initial_state=state)

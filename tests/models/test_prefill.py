@@ -128,9 +128,21 @@ def test_a_fresh_cache_is_created_as_the_model_would(make_model, monkeypatch):
     torch.testing.assert_close(out.logits, want, rtol=0, atol=5e-5)
 
 
+def test_a_prompt_of_two_chunks_runs_in_two(make_model, monkeypatch):
+    """No chunk costs a fold any more (oal.kernels.kept.extend), so a prompt of two chunks is not run in one call."""
+    model = model_of(make_model, "sink_window_exact_heads")
+    ids = prompt(1, 32)
+    want, _ = run(model, ids, 0, steps=2)
+    calls = base_calls(model, monkeypatch)
+    got, _ = run(model, ids, 16, steps=2)
+    assert calls[:2] == [16, 16]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=5e-5)
+
+
 @pytest.mark.parametrize(
     "case",
-    ["grad", "labels", "no_cache", "hidden_states", "tuple", "mask_4d", "keep_more_than_last", "two_chunks"],
+    ["grad", "labels", "no_cache", "hidden_states", "tuple", "mask_4d", "keep_more_than_last", "one_chunk"],
 )
 def test_one_call_where_chunks_could_be_told_apart(make_model, monkeypatch, case):
     model = model_of(make_model, "oal")
@@ -149,8 +161,8 @@ def test_one_call_where_chunks_could_be_told_apart(make_model, monkeypatch, case
         kw["attention_mask"] = torch.ones(1, 1, 40, 40, dtype=torch.bool).tril()
     elif case == "keep_more_than_last":
         kw["logits_to_keep"] = 9  # the last chunk has 8 tokens
-    elif case == "two_chunks":
-        kw["input_ids"] = ids[:, :32]
+    elif case == "one_chunk":
+        kw["input_ids"] = ids[:, :16]
     calls = base_calls(model, monkeypatch)
     with torch.set_grad_enabled(case == "grad"):
         model(**kw)
@@ -192,13 +204,22 @@ def test_signature_is_the_base_forwards(make_model):
 
 
 @pytest.mark.parametrize("kind", ["oal", "sink_window", "oal_exact_heads"])
-def test_chunks_below_the_crossover_keep_keys_and_values(make_model, kind):
+def test_chunks_below_the_crossover_keep_keys_and_values(make_model, kind, monkeypatch):
     """d = 8: a kernel head's state is as large as 25 tokens' keys and values (more with sinks and a window), so a
     24-token prompt in chunks of 8 stays in the kept form (each chunk appended, oal.kernels.kept.extend), as one
-    call would; the decode steps after it cross the fold point."""
+    call would, and no chunk folds the kept keys (each chunk's queries over the kept and its own keys: the one
+    call's logits); the decode steps after it cross the fold point."""
+    import oal.kernels.kept as kept_module
+
     model = model_of(make_model, kind)
     ids = prompt(2, 24)
-    (_, want_cache), (_, cache) = run(model, ids, 0, steps=0), run(model, ids, 8, steps=0)
+    want_logits, want_cache = run(model, ids, 0, steps=0)
+    folded = []
+    fold_inner = kept_module._fold_inner
+    monkeypatch.setattr(kept_module, "_fold_inner", lambda *a: folded.append(1) or fold_inner(*a))
+    got_logits, cache = run(model, ids, 8, steps=0)
+    assert not folded
+    torch.testing.assert_close(got_logits[0], want_logits[0], rtol=0, atol=1e-5)
     for entry, want in zip(cache.layers, want_cache.layers, strict=True):
         kept = getattr(entry, "state", None)
         kept = getattr(kept, "inner", kept)

@@ -11,6 +11,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from contextvars import ContextVar
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -71,6 +72,37 @@ def context_end(end: int) -> int:
 def in_prompt() -> bool:
     """Whether the caller is a prompt in chunks (:func:`prompt_end`)."""
     return _PROMPT_END.get() is not None
+
+
+class KeptKV(NamedTuple):
+    """The kernel heads' keys ``k (B, K, capacity, d)`` and values ``v (B, K, capacity, dv)`` (fp32, or bf16 for a
+    bf16 model) of the first ``length`` tokens (slots ``length …`` are spare room the decode step writes into), in
+    place of their state: the kept form of :mod:`oal.kernels.kept`."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int
+
+
+KEPT_GROWTH = 16  # spare slots added to kept keys/values when full (one copy per 16 tokens, ≤ 8 KB per head spare)
+
+
+def with_kept(kept: KeptKV, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, KeptKV]:
+    """The keys and values of every position, ``kept``'s (widened to k's dtype, exactly) followed by the new ``k``,
+    ``v`` ``(B, K, n, ·)``, and the kept form with the new ones appended (in its own dtype), in buffers with the
+    layer's :func:`spare_slots` of room after them (as a prompt's first chunk leaves them: the decode steps after a
+    prompt in chunks then grow one or two layers' buffers at a time, not all at the first)."""
+    past, n = kept.length, k.shape[2]
+    keys = torch.cat([kept.k[:, :, :past].to(k.dtype), k], dim=2)
+    values = torch.cat([kept.v[:, :, :past].to(v.dtype), v], dim=2)
+    capacity = past + n + spare_slots(KEPT_GROWTH)
+    grown = []
+    for old, new in ((kept.k, k), (kept.v, v)):
+        buf = old.new_empty(*old.shape[:2], capacity, old.shape[3])
+        buf[:, :, :past] = old[:, :, :past]
+        buf[:, :, past : past + n] = new
+        grown.append(buf)
+    return keys, values, KeptKV(grown[0], grown[1], past + n)
 
 
 def check_positions(positions: torch.Tensor, n: int) -> torch.Tensor:

@@ -22,9 +22,19 @@ import torch.nn.functional as F
 
 from ..ops import page_select
 from ..ops.quadratic import cpu as cpu_kernels
-from .base import GROWTH, AttentionKernel, check_positions, context_end, in_prompt, repeat_kv, spare_slots
-from .oal import OALKernel, oal_attention, oal_coefficients, oal_factor
-from .sink_window import SinkWindowKernel
+from .base import (
+    GROWTH,
+    AttentionKernel,
+    KeptKV,
+    check_positions,
+    context_end,
+    in_prompt,
+    repeat_kv,
+    spare_slots,
+    with_kept,
+)
+from .oal import OALKernel, oal_at_end, oal_attention, oal_coefficients, oal_factor
+from .sink_window import SinkWindowKernel, sink_window_at_end
 
 __all__ = [
     "ExactHeadsKernel",
@@ -354,10 +364,30 @@ class ExactHeadsKernel(AttentionKernel):
     # -------------------------------------------------------------------------------------------- evaluation
 
     def _inner_forward(self, q, k, v, *, mode, initial_state, output_final_state, chunk_size):
-        """The inner kernel on the query heads ``self._kernel_q`` and KV heads ``self.kernel_kv_heads`` only."""
+        """The inner kernel on the query heads ``self._kernel_q`` and KV heads ``self.kernel_kv_heads`` only. An
+        ``initial_state`` that is a kept form (:class:`~oal.kernels.base.KeptKV`, those heads' keys and values: a
+        prompt's later chunk, :func:`oal.kernels.kept.extend`) continues without a state: the new queries over the
+        kept and the new keys on the fused CPU kernels, the rows one call over the whole prompt gives them; the
+        final state is the kept form grown."""
         hq = torch.tensor(self._kernel_q, device=q.device)
         oal = self._oal
         groups, L = oal.groups.index_select(0, hq.to(oal.groups.device)), oal.L.index_select(0, hq.to(oal.L.device))
+        if isinstance(initial_state, KeptKV):
+            keys, values, grown = with_kept(initial_state, k, v)
+            if isinstance(self.inner, SinkWindowKernel):
+                beta = self.inner.beta.index_select(0, hq.to(self.inner.beta.device))
+                inner = self.inner
+                o = sink_window_at_end(
+                    q, keys, values, groups, L, oal.eps, beta, inner.n_sink, inner.window, self.scale
+                )
+            else:
+                o = oal_at_end(q, keys, values, groups, L, oal.eps)
+            if o is None:
+                raise ValueError(
+                    "initial_state: a kept form (keys and values in place of the inner state) continues only on the "
+                    "fused CPU kernels without autograd; fold it into the kernel's state first (oal.kernels.kept.fold)"
+                )
+            return o, grown if output_final_state else None
         if not isinstance(self.inner, SinkWindowKernel):
             return oal_attention(
                 q,

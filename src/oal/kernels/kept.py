@@ -13,25 +13,24 @@ the kernel would have built (Eq. 5; with sinks and a window: the state of the ke
 sinks and the window), and decoding continues from it.
 
 The kept form belongs to the cache (:class:`oal.models.state_cache.KernelStateLayer`): the kernels' own API and
-state types are unchanged, and any call that needs the kernel's state (autograd, CUDA, another dtype, several new
-tokens at once, a kernel without this path) gets it from :func:`fold` first. It applies to OAL and the global
-quadratic, with or without sinks and a window, and to the kernel heads of :class:`ExactHeadsKernel` (its exact
-heads keep their keys and values anyway).
+state types are unchanged (but for one: an :class:`ExactHeadsKernel` takes a kept form as its inner state), and any
+call that needs the kernel's state (autograd, CUDA, another dtype, a kernel without this path) gets it from
+:func:`fold` first. Several new tokens after a kept form (a prompt in chunks) are evaluated over the kept and the new
+keys without a state (:func:`extend`). It applies to OAL and the global quadratic, with or without sinks and a
+window, and to the kernel heads of :class:`ExactHeadsKernel` (its exact heads keep their keys and values anyway).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
 from ..ops.quadratic import cpu as cpu_kernel
 from ..ops.quadratic.utils import cyclic_features, cyclic_maps, cyclic_width, feature_dim
 from ..ops.sink_window import SinkWindowState
-from .base import context_end, prompt_end, spare_slots
+from .base import KEPT_GROWTH, KeptKV, context_end, prompt_end, spare_slots, with_kept
 from .hybrid import ExactHeadsKernel, ExactHeadsState
-from .oal import OALKernel
-from .sink_window import SinkWindowKernel
+from .oal import OALKernel, oal_at_end
+from .sink_window import SinkWindowKernel, sink_window_at_end
 
 __all__ = [
     "FOLD_SPREAD",
@@ -49,23 +48,12 @@ __all__ = [
     "take_regrown",
 ]
 
-KEPT_GROWTH = 16  # spare slots added to kept keys/values when full (one copy per 16 tokens, ≤ 8 KB per head spare)
 # layer i of a model folds FOLD_SPREAD-cyclically i tokens after the limit, so that one decode step folds one
 # or two layers instead of all (a whole SmolLM2 at once: ~235 ms extra in one step at batch 1)
 FOLD_SPREAD = 32
 # keys per feature block while folding: a (128, D) block, 1.1 MB for d = 64 (512 keys' 4.4 MB was the largest
 # transient of a 1k decode at its fold step)
 _FOLD_BLOCK = 128
-
-
-class KeptKV(NamedTuple):
-    """The kernel heads' keys ``k (B, K, capacity, d)`` and values ``v (B, K, capacity, dv)`` (fp32, or bf16 for a
-    bf16 model) of the first
-    ``length`` tokens (slots ``length …`` are spare room the decode step writes into), in place of their state."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    length: int
 
 
 def _inner(kernel) -> OALKernel | SinkWindowKernel | None:
@@ -235,9 +223,11 @@ def extend(
 ) -> tuple[torch.Tensor, object] | None:
     """Several new tokens after a kept form (a prompt in chunks, a multi-token continuation) that keep it below
     layer ``layer``'s :func:`fold_point`: ``(o, state)`` with the new keys and values appended to the kept ones.
-    The outputs come from the kernel's chunked mode on the kept form folded into a transient state (the same
-    arithmetic as a cache that had kept the state); None where it does not apply (as :func:`start`, or a state
-    that is not a kept form, or a context past the fold point: then the caller folds for good)."""
+    With the fused CPU kernels the new queries are evaluated over the kept and the new keys without a state
+    (:func:`_at_end`: the rows one call over the whole prompt gives them); otherwise from the kernel's chunked mode
+    on the kept form folded into a transient state (the same arithmetic as a cache that had kept the state). None
+    where it does not apply (as :func:`start`, or a state that is not a kept form, or a context past the fold point:
+    then the caller folds for good)."""
     kept = _kept_of(state)
     if kept is None:
         return None
@@ -247,6 +237,11 @@ def extend(
         return None
     if not _cpu_inference(kernel, q, k, v):
         return None
+    if _at_end_usable(kernel):
+        if isinstance(state, ExactHeadsState):  # its inner kernel continues from the kept form itself
+            return kernel(q, k, v, mode="chunk", initial_state=state, output_final_state=True)
+        keys, values, grown = with_kept(kept, k, v)
+        return _at_end(kernel, q, keys, values), grown
     o, after = kernel(q, k, v, mode="chunk", initial_state=fold(kernel, state), output_final_state=True)
     dtype = kept.k.dtype
     new = KeptKV(
@@ -255,6 +250,32 @@ def extend(
         total,
     )
     return o, after._replace(inner=new) if isinstance(after, ExactHeadsState) else new
+
+
+def _at_end_usable(kernel) -> bool:
+    """Whether :func:`_at_end` (or an exact-heads kernel's inner kernel on a kept form) can evaluate a chunk of
+    ``kernel`` after its kept keys: the fused CPU kernels it needs are available (the caller checked CPU fp32
+    inference)."""
+    if cpu_kernel.load() is None:
+        return False
+    return not isinstance(_inner(kernel), SinkWindowKernel) or cpu_kernel.load("window") is not None
+
+
+def _at_end(kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``o (B, Hq, n, dv)`` of ``kernel`` (OAL or the global quadratic, with or without sinks and a window) for the
+    queries ``q`` that are the last n of the positions of ``keys``, ``values`` ``(B, Hkv, N, ·)``: in parallel form
+    with the queries aligned at the end of the keys, no state folded (:func:`oal.kernels.oal.oal_at_end`,
+    :func:`oal.kernels.sink_window.sink_window_at_end`)."""
+    if isinstance(kernel, SinkWindowKernel):
+        inner = kernel.inner
+        o = sink_window_at_end(
+            q, keys, values, inner.groups, inner.L, inner.eps, kernel.beta, kernel.n_sink, kernel.window, kernel.scale
+        )
+    else:
+        o = oal_at_end(q, keys, values, kernel.groups, kernel.L, kernel.eps)
+    if o is None:
+        raise RuntimeError("the fused CPU kernels refused a call _at_end_usable accepted")
+    return o
 
 
 def grown(kept: KeptKV, limit: int) -> KeptKV:

@@ -19,7 +19,7 @@ from torch import nn
 from ..ops.quadratic import factored_kernel
 from ..ops.quadratic.utils import compute_dtype
 from ..ops.sink_window import SinkWindowState, sink_window_attention, sink_window_weights
-from ..ops.sink_window.utils import check_config
+from ..ops.sink_window.utils import check_config, evaluate_at_end
 from .base import AttentionKernel, check_positions, repeat_kv
 from .oal import OALKernel, oal_coefficients, oal_factor
 
@@ -41,6 +41,29 @@ def split_sink_window_name(name: str) -> tuple[str, bool, bool]:
             f"name: expected '<kernel>' optionally followed by '+sink' and/or '+window' in that order, got {name!r}"
         )
     return base, "+sink" in tail, "+window" in tail
+
+
+def sink_window_at_end(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups,
+    L,
+    eps: float,
+    beta,
+    n_sink: int,
+    window: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """The sink/window operator over an OAL kernel (coefficients from ``groups``, ``L``, ``eps``) for queries
+    ``q (B, Hq, n, d)`` that are the last n of the N positions of ``k``, ``v`` ``(B, Hkv, N, ·)``, without a state:
+    ``o (B, Hq, n, dv)``, the rows one call over all N positions gives them
+    (:func:`oal.ops.sink_window.utils.evaluate_at_end`). None where the fused kernels do not apply."""
+    a, b, C = oal_coefficients(groups, L, eps)
+    return evaluate_at_end(
+        q, k, v, a, b, C, beta, n_sink=n_sink, window=window, scale=scale, factor=oal_factor(groups, L, eps),
+        kernel_floor=eps,
+    )  # fmt: skip
 
 
 class SinkWindowKernel(AttentionKernel):

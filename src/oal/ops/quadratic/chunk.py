@@ -409,6 +409,35 @@ def _forward_fused(
     return o, dens if return_denominator else None, final if output_final_state else None
 
 
+def parallel_at_end(q, k, v, a, b, C, s, factor, kernel_floor=None, key_weight=None):
+    """Queries that are the last ``Nq`` of the ``N`` keys' positions (causal aligned at the end: row r is position
+    ``N - Nq + r`` and reads keys ``0 … N - Nq + r``), without an initial state: ``(o (B, Hq, Nq, dv) in q's dtype,
+    dens (B, Hkv, G, Nq) fp32)``, the rows and denominators one call over all N positions would give them, in the
+    parallel form of the fused CPU kernel (``chunk_parallel_forward``). A prompt's later chunk evaluated over the
+    keys kept before it, without their state (:mod:`oal.kernels.kept`). None where it does not apply: autograd, no
+    fused kernel for q, no ``factor``, or more queries than keys.
+
+    q ``(B, Hq, Nq, d)``, k ``(B, Hkv, N, d)``, v ``(B, Hkv, N, dv)`` one dtype; a, b, C, factor, kernel_floor as
+    :func:`chunk_quadratic_attention`, ``s`` the scale; key_weight ``(B, Hkv, N)`` or None."""
+    if factor is None:
+        factor = factor_from_coefficients(a, b, C)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, a, b, C, *(factor or ())))
+    if grad or q.shape[2] > k.shape[2] or not cpu_kernel.usable(q, factor) or (ext := cpu_kernel.load()) is None:
+        return None
+    f32 = torch.float32
+    canon_of_cyc, _ = cyclic_maps(q.shape[-1], q.device)
+    _, fw, fc, c0 = (
+        None if x is None else x.contiguous() for x in _query_coefficients(a, b, C, factor, s, f32, k.shape[1])
+    )
+    rep, _ = channel_classes(fw)
+    floor = -1.0 if kernel_floor is None else float(kernel_floor)
+    weights = torch.empty(0) if key_weight is None else key_weight.to(f32).contiguous()
+    o, dens, _ = ext.chunk_parallel_forward(
+        q.contiguous(), k.contiguous(), v.contiguous(), fw, fc, c0, rep, weights, canon_of_cyc, floor, False
+    )
+    return o, dens
+
+
 def _forward_no_grad(
     q, k, v, a, b, C, s, cs, initial_state, output_final_state, factor, kernel_floor, key_weight, return_denominator
 ):

@@ -22,7 +22,7 @@ import torch
 
 from ..quadratic import KernelFactor, feature_dim, quadratic_attention
 from ..quadratic import cpu as cpu_kernel
-from ..quadratic.chunk import chunk_checked
+from ..quadratic.chunk import chunk_checked, parallel_at_end
 from ..quadratic.utils import Dims, _need_finite, _need_shape, _need_tensor, compute_dtype
 
 MODES = ("naive", "chunk", "recurrent")
@@ -226,14 +226,7 @@ def evaluate(
     count = key_weight.cumsum(-1)  # kernel keys each query sees, (B, Hkv, N)
     if initial_state is not None:
         count = count + initial_state.kernel[:, :, :1, dv].to(cdt)
-    count = count[:, :, None]
-    den = den.view(B, Hkv, G, N)
-    # log of the kernel part's mass e^β Σ_K κ; -inf where K_i is empty (that part then contributes nothing)
-    log_mass = torch.where(
-        count > 0,
-        beta.to(cdt).view(Hkv, G, 1) + torch.log(torch.where(count > 0, den, torch.ones_like(den))),
-        torch.full_like(den, -math.inf),
-    )
+    log_mass = _log_mass(beta.to(cdt).view(Hkv, G, 1), den.view(B, Hkv, G, N), count[:, :, None])
     o_kern = o_kern.view(B, Hkv, G, N, dv)
 
     if n_sink == 0 and w == 0:
@@ -289,6 +282,82 @@ def evaluate(
             offset=t0 + N,
         )
     return o, final
+
+
+def _log_mass(beta: torch.Tensor, den: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The log of the kernel part's mass ``e^β Σ_K κ`` ``(B, Hkv, G, N)`` from its denominators ``den`` and the
+    number of kernel keys each query sees ``count`` (broadcast to den); -inf where K_i is empty (that part then
+    contributes nothing)."""
+    return torch.where(
+        count > 0,
+        beta + torch.log(torch.where(count > 0, den, torch.ones_like(den))),
+        torch.full_like(den, -math.inf),
+    )
+
+
+def evaluate_at_end(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    C: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    n_sink: int,
+    window: int,
+    scale: float,
+    factor: KernelFactor | None,
+    kernel_floor: float | None,
+) -> torch.Tensor | None:
+    """Queries ``q (B, Hq, n, d)`` that are the last n of the N positions of ``k (B, Hkv, N, d)``, ``v``, without a
+    state: ``o (B, Hq, n, dv)`` in q's dtype, the rows one call over all N positions gives them (a prompt's later
+    chunk over the keys kept before it, :mod:`oal.kernels.kept`). The kernel part is the quadratic operator's
+    parallel form on the delayed keys (:func:`oal.ops.quadratic.chunk.parallel_at_end`), the exact part the fused
+    window kernel continuing at position N - n, its sinks and window taken from the keys before. None where the
+    fused kernels do not apply (autograd, not CPU, no fused kernel): the caller evaluates otherwise."""
+    B, Hq, n, d = q.shape
+    Hkv, N, dv = k.shape[1], k.shape[2], v.shape[-1]
+    G, w, past = Hq // Hkv, window, N - n
+    f32 = torch.float32
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, a, b, C, beta)):
+        return None
+    qc, kc, vc = (x.to(f32) for x in (q, k, v))
+    if not _fused_window_usable(qc, kc, vc):
+        return None
+    # kernel part: query at position past + r reads the keys at positions n_sink … past + r - w, i.e. the delayed
+    # keys 0 … N - w - 1 (those below n_sink weigh 0) aligned at the end, for the rows r ≥ first that have any
+    first = min(n, max(0, w - past))
+    o_kern = qc.new_zeros(B, Hkv, G, n, dv)
+    den = qc.new_zeros(B, Hkv, G, n)
+    count = qc.new_zeros(B, Hkv, 1, n)
+    if first < n:
+        weight = (torch.arange(N - w, device=q.device) >= n_sink).to(f32)
+        part = parallel_at_end(
+            qc[:, :, first:], kc[:, :, : N - w], vc[:, :, : N - w], a, b, C, scale, factor, kernel_floor,
+            weight.expand(B, Hkv, N - w),
+        )  # fmt: skip
+        if part is None:
+            return None
+        o_kern[:, :, :, first:] = part[0].view(B, Hkv, G, n - first, dv)
+        den[:, :, :, first:] = part[1]
+        count[..., first:] = weight.cumsum(0)[past + first - w :]
+    if n_sink == 0 and w == 0:  # no exact set: the plain kernel, whatever β
+        return o_kern.reshape(B, Hq, n, dv).to(q.dtype)
+    log_mass = _log_mass(beta.to(f32).view(Hkv, G, 1), den, count)
+    # exact part: the segment continues from the sinks (zeros past the keys) and the window buffer (the w keys
+    # before it, zeros before position 0) followed by its own keys, as prepare_segment lays them out
+    sinks = [x.new_zeros(B, Hkv, n_sink, x.shape[-1]) for x in (kc, vc)]
+    ext = [x.new_zeros(B, Hkv, w + n, x.shape[-1]) for x in (kc, vc)]
+    m, held = min(n_sink, N), min(w, past)
+    for sink, buf, x in zip(sinks, ext, (kc, vc), strict=True):
+        sink[:, :, :m] = x[:, :, :m]
+        buf[:, :, w - held :] = x[:, :, past - held :]
+    qg = qc.reshape(B, Hkv, G, n, d).contiguous()
+    cpu_kernel.load("window").window_combine(
+        qg, ext[0], ext[1], sinks[0], sinks[1], log_mass.contiguous(), o_kern, o_kern, past, n_sink, w, scale
+    )
+    return o_kern.reshape(B, Hq, n, dv).to(q.dtype)
 
 
 def _fused_window_usable(*tensors: torch.Tensor) -> bool:

@@ -1,5 +1,6 @@
 """Fused C++ CPU kernels, compiled on first use: the chunked operator's forward, its parallel form for a fresh
-segment up to ~2k tokens and its backward, the reverse chunk scan (``chunk.cpp``), the in-place decode step of a
+segment up to ~2k tokens (also for queries that are the last of the keys: a prompt's later chunk over the
+keys kept before it) and its backward, the reverse chunk scan (``chunk.cpp``), the in-place decode step of a
 converted layer (``decode.cpp``, used by :mod:`oal.kernels.decode`) and the exact part of the sink/window operator
 over a prompt with its backward (``window.cpp``, used by :mod:`oal.ops.sink_window.utils`).
 

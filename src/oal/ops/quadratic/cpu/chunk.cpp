@@ -636,13 +636,16 @@ inline void kappa_row(const float* sc, int64_t pstride, const float* A, int64_t 
 // SmolLM2's shapes (the caller decides, chunk.py). The final state (Eq. 5 over the segment) is one product per
 // block of kRows features over all N keys: S_f = Σ_j φ_f(k_j) ω_j [v_j, 1], in forward's cyclic feature order.
 // rep (Hq, d) int64: for each channel the first channel with the same column (its class representative).
+// q may hold fewer rows than k (Nq ≤ N): its rows are then the last Nq positions of the N keys (causal aligned at the
+// end: row r is position N - Nq + r and reads keys 0 … N - Nq + r), e.g. a prompt's later chunk over the kept keys.
 template <typename T>
 std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& fw,
                                      const Tensor& fc, const Tensor& c0, const Tensor& rep, const Tensor& key_weight,
                                      const Tensor& canon_of_cyc, double kernel_floor, bool want_final) {
-  const int64_t B = q.size(0), Hq = q.size(1), N = q.size(2), d = q.size(3);
-  const int64_t Hkv = k.size(1), dv = v.size(3), G = Hq / Hkv, R = fc.size(2);
+  const int64_t B = q.size(0), Hq = q.size(1), Nq = q.size(2), d = q.size(3);
+  const int64_t Hkv = k.size(1), N = k.size(2), dv = v.size(3), G = Hq / Hkv, R = fc.size(2), lead = N - Nq;
   const int64_t tiles = (dv + kTile - 1) / kTile, dvp = tiles * kTile, Np = (N + kTile - 1) / kTile * kTile;
+  TORCH_CHECK(lead >= 0, "q: expected at most as many rows as k has keys, got ", Nq, " and ", N);
   const auto f32 = q.options().dtype(at::kFloat);
   TORCH_CHECK(rep.scalar_type() == at::kLong && rep.is_contiguous() && rep.numel() == Hq * d,
               "rep: expected (Hq, d) contiguous int64 class representatives");
@@ -651,8 +654,8 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
   const float *FW = fw.data_ptr<float>(), *FC = fc.data_ptr<float>(), *C0 = c0.data_ptr<float>();
   const int64_t* REP = rep.data_ptr<int64_t>();
   const float* KW = weighted ? key_weight.data_ptr<float>() : nullptr;
-  Tensor o = at::empty({B, Hq, N, dv}, q.options());
-  Tensor dens = at::empty({B, Hkv, G, N}, f32);
+  Tensor o = at::empty({B, Hq, Nq, dv}, q.options());
+  Tensor dens = at::empty({B, Hkv, G, Nq}, f32);
   T* O = o.data_ptr<T>();
   float* DENS = dens.data_ptr<float>();
 
@@ -675,21 +678,21 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
     off[hq * (d + 1) + P] = d;
     classes[hq] = P;
   }
-  std::vector<float> qc(B * Hq * N * d), kp(B * Hq * Np * d, 0.f), up(B * Hkv * tiles * Np * kTile, 0.f);
+  std::vector<float> qc(B * Hq * Nq * d), kp(B * Hq * Np * d, 0.f), up(B * Hkv * tiles * Np * kTile, 0.f);
   std::vector<float> om(B * Hkv * Np, 0.f), counts(B * Hkv * N);
   at::parallel_for(0, B * Hq, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t bq = lo; bq < hi; ++bq) {
       const int64_t hq = bq % Hq, bh = bq / Hq * Hkv + hq / G;
       const int64_t* pm = perm.data() + hq * d;
-      const T* qs = Q + bq * N * d;
+      const T* qs = Q + bq * Nq * d;
       const T* ks = K + bh * N * d;
-      float* qd = qc.data() + bq * N * d;
+      float* qd = qc.data() + bq * Nq * d;
       float* kd = kp.data() + bq * Np * d;
+      for (int64_t i = 0; i < Nq; ++i)
+        for (int64_t c = 0; c < d; ++c) qd[i * d + c] = static_cast<float>(qs[i * d + pm[c]]);
       for (int64_t i = 0; i < N; ++i)
-        for (int64_t c = 0; c < d; ++c) {
-          qd[i * d + c] = static_cast<float>(qs[i * d + pm[c]]);
+        for (int64_t c = 0; c < d; ++c)
           kd[(i / kTile * d + c) * kTile + i % kTile] = static_cast<float>(ks[i * d + pm[c]]);
-        }
     }
   });
   at::parallel_for(0, B * Hkv, 1, [&](int64_t lo, int64_t hi) {
@@ -707,19 +710,20 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
     }
   });
   // tasks: (batch, query head, block of kRows queries), each head's blocks in the order first, last, second, …
-  // so that any contiguous range of tasks (one thread's share) holds long and short blocks alike
-  const int64_t nb = (N + kRows - 1) / kRows;
+  // so that any contiguous range of tasks (one thread's share) holds long and short blocks alike; a block's rows
+  // r0 … r1-1 are positions i0 … i1-1 (lead after them)
+  const int64_t nb = (Nq + kRows - 1) / kRows;
   at::parallel_for(0, B * Hq * nb, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> sc, kap, num(kRows * dvp);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t bq = task / nb, x = task % nb, blk = x % 2 ? nb - 1 - x / 2 : x / 2;
       const int64_t hq = bq % Hq, h = hq / G, g = hq % G, bh = bq / Hq * Hkv + h;
-      const int64_t i0 = blk * kRows, i1 = std::min(N, i0 + kRows), mr = i1 - i0;
+      const int64_t r0 = blk * kRows, mr = std::min(Nq, r0 + kRows) - r0, i0 = lead + r0, i1 = i0 + mr;
       const int64_t wt = (i1 + kTile - 1) / kTile, npad = wt * kTile, P = classes[hq];
       const int64_t* of = off.data() + hq * (d + 1);
       sc.resize(P * mr * npad);
       kap.resize(mr * npad);
-      const float* qd = qc.data() + (bq * N + i0) * d;
+      const float* qd = qc.data() + (bq * Nq + r0) * d;
       const float* kd = kp.data() + bq * Np * d;
       for (int64_t p = 0; p < P; ++p)  // partial scores s_p of the block's rows against keys 0 … i1-1
         tile_rows(mr, qd + of[p], d, kd + of[p] * kTile, d * kTile, of[p + 1] - of[p], sc.data() + p * mr * npad,
@@ -746,9 +750,9 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
         const float cnt = counts[bh * N + i];
         float dn = dot(kap.data() + a * npad, wd, i + 1);
         if (floored) dn = std::max(dn, cnt * static_cast<float>(kernel_floor));
-        DENS[(bh * G + g) * N + i] = dn;
+        DENS[(bh * G + g) * Nq + r0 + a] = dn;
         if (weighted && cnt <= 0.f) dn = 1.f;  // no key with weight > 0 yet: output 0, not 0/0
-        T* orow = O + (bq * N + i) * dv;
+        T* orow = O + (bq * Nq + r0 + a) * dv;
         for (int64_t c = 0; c < dv; ++c) orow[c] = static_cast<T>(num[a * dvp + c] / dn);
       }
     }
