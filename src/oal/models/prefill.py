@@ -11,8 +11,8 @@ one call (``generate`` included), so its prefill peak grows with the prompt beyo
 
 A prompt of at most one chunk runs in one call. No chunk folds keys into a state: below the kept form's limit a
 later chunk's queries are evaluated over the kept and the new keys (:func:`oal.kernels.kept.extend`: the logits of
-one call; a 1k prompt in two chunks took 1.04–1.15 s in bf16 against the original's one call's 1.10–1.21 s, and
-held 4–7 MB less live data than one call, stop 42), and a converted layer told that the prompt will outgrow its
+one call; a 1k bf16 prompt in two chunks took 1.21–1.29 s against the original's one call's 1.24–1.35 s and held
+5–11 MB less live data than one call, stop 42), and a converted layer told that the prompt will outgrow its
 kept form (:func:`oal.kernels.kept.prompt_end`) builds its state from the first chunk.
 
 It applies where nothing else can tell the difference: inference (no autograd), no labels, no attention or
