@@ -33,8 +33,8 @@ from .base import (
     spare_slots,
     with_kept,
 )
-from .oal import OALKernel, oal_at_end, oal_attention, oal_coefficients, oal_factor
-from .sink_window import SinkWindowKernel, sink_window_at_end
+from .oal import OALKernel, oal_attention, oal_coefficients, oal_factor
+from .sink_window import SinkWindowKernel, kernel_at_end
 
 __all__ = [
     "ExactHeadsKernel",
@@ -374,14 +374,7 @@ class ExactHeadsKernel(AttentionKernel):
         groups, L = oal.groups.index_select(0, hq.to(oal.groups.device)), oal.L.index_select(0, hq.to(oal.L.device))
         if isinstance(initial_state, KeptKV):
             keys, values, grown = with_kept(initial_state, k, v)
-            if isinstance(self.inner, SinkWindowKernel):
-                beta = self.inner.beta.index_select(0, hq.to(self.inner.beta.device))
-                inner = self.inner
-                o = sink_window_at_end(
-                    q, keys, values, groups, L, oal.eps, beta, inner.n_sink, inner.window, self.scale
-                )
-            else:
-                o = oal_at_end(q, keys, values, groups, L, oal.eps)
+            o = kernel_at_end(self.inner, q, keys, values, hq)
             if o is None:
                 raise ValueError(
                     "initial_state: a kept form (keys and values in place of the inner state) continues only on the "

@@ -29,8 +29,8 @@ from ..ops.quadratic.utils import cyclic_features, cyclic_maps, cyclic_width, fe
 from ..ops.sink_window import SinkWindowState
 from .base import KEPT_GROWTH, KeptKV, context_end, prompt_end, spare_slots, with_kept
 from .hybrid import ExactHeadsKernel, ExactHeadsState
-from .oal import OALKernel, oal_at_end
-from .sink_window import SinkWindowKernel, sink_window_at_end
+from .oal import OALKernel
+from .sink_window import SinkWindowKernel, kernel_at_end
 
 __all__ = [
     "FOLD_SPREAD",
@@ -264,15 +264,8 @@ def _at_end_usable(kernel) -> bool:
 def _at_end(kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``o (B, Hq, n, dv)`` of ``kernel`` (OAL or the global quadratic, with or without sinks and a window) for the
     queries ``q`` that are the last n of the positions of ``keys``, ``values`` ``(B, Hkv, N, ·)``: in parallel form
-    with the queries aligned at the end of the keys, no state folded (:func:`oal.kernels.oal.oal_at_end`,
-    :func:`oal.kernels.sink_window.sink_window_at_end`)."""
-    if isinstance(kernel, SinkWindowKernel):
-        inner = kernel.inner
-        o = sink_window_at_end(
-            q, keys, values, inner.groups, inner.L, inner.eps, kernel.beta, kernel.n_sink, kernel.window, kernel.scale
-        )
-    else:
-        o = oal_at_end(q, keys, values, kernel.groups, kernel.L, kernel.eps)
+    with the queries aligned at the end of the keys, no state folded (:func:`oal.kernels.sink_window.kernel_at_end`)."""
+    o = kernel_at_end(kernel, q, keys, values)
     if o is None:
         raise RuntimeError("the fused CPU kernels refused a call _at_end_usable accepted")
     return o

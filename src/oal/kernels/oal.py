@@ -17,8 +17,6 @@ import torch
 from torch import nn
 
 from ..ops.quadratic import KernelFactor, factored_kernel, quadratic_attention
-from ..ops.quadratic.chunk import parallel_at_end
-from ..ops.quadratic.utils import default_scale
 from .base import AttentionKernel, check_positions
 
 
@@ -151,16 +149,6 @@ def oal_attention(
         factor=factor,
         kernel_floor=eps,
     )
-
-
-def oal_at_end(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups, L, eps: float) -> torch.Tensor | None:
-    """:func:`oal_attention` of queries ``q (B, Hq, n, d)`` that are the last n of the N positions of ``k``, ``v``
-    ``(B, Hkv, N, ·)``, without a state: ``o (B, Hq, n, dv)``, the rows one call over all N positions gives them
-    (:func:`oal.ops.quadratic.chunk.parallel_at_end`; a prompt's later chunk over its kept keys). None where the
-    fused kernel does not apply."""
-    a, b, C = oal_coefficients(groups, L, eps)
-    out = parallel_at_end(q, k, v, a, b, C, default_scale(q.shape[-1], None), oal_factor(groups, L, eps), eps)
-    return None if out is None else out[0]
 
 
 class OALKernel(AttentionKernel):

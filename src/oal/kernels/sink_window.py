@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..ops.quadratic import factored_kernel
+from ..ops.quadratic.chunk import parallel_at_end
 from ..ops.quadratic.utils import compute_dtype
 from ..ops.sink_window import SinkWindowState, sink_window_attention, sink_window_weights
 from ..ops.sink_window.utils import check_config, evaluate_at_end
@@ -43,27 +44,28 @@ def split_sink_window_name(name: str) -> tuple[str, bool, bool]:
     return base, "+sink" in tail, "+window" in tail
 
 
-def sink_window_at_end(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    groups,
-    L,
-    eps: float,
-    beta,
-    n_sink: int,
-    window: int,
-    scale: float,
-) -> torch.Tensor | None:
-    """The sink/window operator over an OAL kernel (coefficients from ``groups``, ``L``, ``eps``) for queries
-    ``q (B, Hq, n, d)`` that are the last n of the N positions of ``k``, ``v`` ``(B, Hkv, N, ·)``, without a state:
-    ``o (B, Hq, n, dv)``, the rows one call over all N positions gives them
-    (:func:`oal.ops.sink_window.utils.evaluate_at_end`). None where the fused kernels do not apply."""
-    a, b, C = oal_coefficients(groups, L, eps)
-    return evaluate_at_end(
-        q, k, v, a, b, C, beta, n_sink=n_sink, window=window, scale=scale, factor=oal_factor(groups, L, eps),
-        kernel_floor=eps,
-    )  # fmt: skip
+def kernel_at_end(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: torch.Tensor | None = None):
+    """``kernel`` (an :class:`OALKernel` or :class:`GlobalQuadraticKernel`, or a :class:`SinkWindowKernel` over one)
+    for queries ``q (B, Hq, n, d)`` that are the last n of the N positions of ``k``, ``v`` ``(B, Hkv, N, ·)``, without
+    a state: ``o (B, Hq, n, dv)``, the rows one call over all N positions gives them (a prompt's later chunk over its
+    kept keys: :func:`oal.ops.quadratic.chunk.parallel_at_end`, :func:`oal.ops.sink_window.utils.evaluate_at_end`).
+    ``heads``: the kernel's query heads that q holds (an index tensor; None: all of them). None where the fused
+    kernels do not apply."""
+    sink = isinstance(kernel, SinkWindowKernel)
+    oal = kernel.inner if sink else kernel
+    groups, L, beta = oal.groups, oal.L, kernel.beta if sink else None
+    if heads is not None:
+        groups, L = groups.index_select(0, heads.to(groups.device)), L.index_select(0, heads.to(L.device))
+        beta = None if beta is None else beta.index_select(0, heads.to(beta.device))
+    a, b, C = oal_coefficients(groups, L, oal.eps)
+    factor = oal_factor(groups, L, oal.eps)
+    if sink:
+        return evaluate_at_end(
+            q, k, v, a, b, C, beta, n_sink=kernel.n_sink, window=kernel.window, scale=kernel.scale, factor=factor,
+            kernel_floor=oal.eps,
+        )  # fmt: skip
+    out = parallel_at_end(q, k, v, a, b, C, kernel.scale, factor, oal.eps)
+    return None if out is None else out[0]
 
 
 class SinkWindowKernel(AttentionKernel):
