@@ -298,6 +298,42 @@ def test_extend_evaluates_after_the_kept_keys_without_a_fold(kind, Hq, Hkv, piec
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_prompt_in_chunks_writes_into_its_first_chunks_buffers(kind, model_dtype):
+    """Within a prompt in chunks (its caller owns the state, :func:`prompt_end`), the first chunk's kept buffers
+    have room for the whole prompt and the layer's spare slots, and every later chunk's keys and values go into
+    them in place (no second buffer per chunk, which a chunk's transients would leave as a hole in the heap); the
+    outputs are the one call's."""
+    from oal.kernels.base import model_layer, prompt_end
+
+    d, B, Hq, Hkv, pieces = 16, 2, 6, 2, (30, 17, 33)
+    n = sum(pieces)
+    kernel = make_kernel(kind, Hq, Hkv, d, exact=(Hkv - 1,))
+    q, k, v = (x.bfloat16().float() for x in make_qkv(B, Hq, Hkv, n, d))
+    with torch.no_grad(), model_layer(3), prompt_end(n):
+        want, _ = kernel(q, k, v)
+        o, state = kept_form.start(
+            kernel, q[:, :, : pieces[0]], k[:, :, : pieces[0]], v[:, :, : pieces[0]], model_dtype
+        )
+        first = kept_of(state)
+        room = min(n + 41 * 3 % KEPT_GROWTH, keep_limit(kernel, d, d, model_dtype.itemsize))  # fp32: the limit, 81
+        assert first.k.shape[2] == room and first.length == pieces[0]
+        outs, at = [o], pieces[0]
+        for size in pieces[1:]:
+            piece = (x[:, :, at : at + size] for x in (q, k, v))
+            o, state = kept_form.extend(kernel, *piece, state, model_dtype)
+            outs.append(o)
+            at += size
+            kept = kept_of(state)
+            assert kept.length == at
+            assert kept.k.data_ptr() == first.k.data_ptr() and kept.v.data_ptr() == first.v.data_ptr()
+    torch.testing.assert_close(torch.cat(outs, 2), want, rtol=2e-5, atol=2e-5)
+    heads = list(kernel.kernel_kv_heads) if isinstance(kernel, ExactHeadsKernel) else list(range(Hkv))
+    torch.testing.assert_close(kept.k[:, :, :n].float(), k[:, heads], rtol=0, atol=0)
+    torch.testing.assert_close(kept.v[:, :, :n].float(), v[:, heads], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_extend_without_the_fused_path_folds(kind, monkeypatch):
     """Where the fused kernels cannot take a chunk after the kept keys, it comes from the folded state (the
     kernel's chunked mode): the naive reference's outputs, the same kept keys after."""

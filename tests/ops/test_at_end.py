@@ -59,6 +59,34 @@ def test_parallel_at_end_is_the_full_calls_last_rows(B, Hq, Hkv, N, n, d, dtype,
     torch.testing.assert_close(dens.double(), want, atol=0, rtol=1e-4)
 
 
+@pytest.mark.parametrize("B, Hq, Hkv, N, n", [(1, 9, 3, 300, 100), (2, 6, 2, 63, 63), (2, 3, 1, 40, 1)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_parallel_at_end_reads_views_of_longer_heads_in_place(B, Hq, Hkv, N, n, threads):
+    """Keys and values that are the first N rows of longer heads (a kept buffer with spare slots, the kernel part's
+    delayed keys) are read where they are, not copied, and give the contiguous inputs' outputs; the queries are
+    packed a slab of heads at a time, as many slabs as the thread count makes (one head per slab up to all)."""
+    d = 16
+    q, k, v, coef, factor = problem(B, Hq, Hkv, N + 7, d)
+    (a, b, C), f = fp32(coef, factor)
+    q, k, v = (x.float() for x in (q[:, :, :N], k, v))
+    kv, vv = k[:, :, :N], v[:, :, :N]
+    assert not kv.is_contiguous()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            o, dens = parallel_at_end(q[:, :, N - n :], kv, vv, a, b, C, d**-0.5, f, EPS)
+            want, want_dens = parallel_at_end(
+                q[:, :, N - n :], kv.contiguous(), vv.contiguous(), a, b, C, d**-0.5, f, EPS
+            )
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(o, want, atol=0, rtol=0)
+    torch.testing.assert_close(dens, want_dens, atol=0, rtol=0)
+    ref, _ = quadratic_attention(q.double(), kv.double(), vv.double(), *coef, mode="naive", kernel_floor=EPS)
+    torch.testing.assert_close(o.double(), ref[:, :, N - n :], atol=2e-5, rtol=2e-5)
+
+
 def test_parallel_at_end_refuses_what_it_cannot_take():
     q, k, v, coef, factor = problem(1, 3, 1, 20, 16)
     (a, b, C), f = fp32(coef, factor)

@@ -89,10 +89,19 @@ KEPT_GROWTH = 16  # spare slots added to kept keys/values when full (one copy pe
 
 def with_kept(kept: KeptKV, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, KeptKV]:
     """The keys and values of every position, ``kept``'s (widened to k's dtype, exactly) followed by the new ``k``,
-    ``v`` ``(B, K, n, ·)``, and the kept form with the new ones appended (in its own dtype), in buffers with the
-    layer's :func:`spare_slots` of room after them (as a prompt's first chunk leaves them: the decode steps after a
-    prompt in chunks then grow one or two layers' buffers at a time, not all at the first)."""
+    ``v`` ``(B, K, n, ·)``, and the kept form with the new ones appended (in its own dtype). Within a prompt in
+    chunks (:func:`prompt_end`, whose caller owns the state) whose first chunk made room for them, the new ones go
+    into that room in place; otherwise into new buffers with the layer's :func:`spare_slots` of room after them (as
+    a prompt's first chunk leaves them: the decode steps after a prompt in chunks then grow one or two layers'
+    buffers at a time, not all at the first)."""
     past, n = kept.length, k.shape[2]
+    room = kept.k.shape[2] >= past + n and kept.k.is_contiguous() and kept.v.is_contiguous()
+    if in_prompt() and room:
+        # no second buffer per chunk: the first chunk's buffers are not freed between the chunks' transients,
+        # where they would stay as holes in malloc's heap
+        kept.k[:, :, past : past + n], kept.v[:, :, past : past + n] = k, v
+        keys, values = (x[:, :, : past + n].to(k.dtype).contiguous() for x in (kept.k, kept.v))
+        return keys, values, KeptKV(kept.k, kept.v, past + n)
     keys = torch.cat([kept.k[:, :, :past].to(k.dtype), k], dim=2)
     values = torch.cat([kept.v[:, :, :past].to(v.dtype), v], dim=2)
     capacity = past + n + spare_slots(KEPT_GROWTH)

@@ -145,9 +145,10 @@ def start(
     if cpu_kernel.load("decode") is None:
         return None
     o, _ = kernel(q, k, v)
-    # the layer's share of spare slots (< KEPT_GROWTH, a few KB per head), so that the decode steps after the prompt
-    # grow one or two layers' buffers at a time instead of all at the first
-    capacity = min(n + spare_slots(KEPT_GROWTH), limit)
+    # room for the rest of a prompt in chunks (its later chunks write into it: with_kept), then the layer's share
+    # of spare slots (< KEPT_GROWTH, a few KB per head), so that the decode steps after the prompt grow one or two
+    # layers' buffers at a time instead of all at the first
+    capacity = min(context_end(n) + spare_slots(KEPT_GROWTH), limit)
     kept = KeptKV(_buffer(_kept_heads(kernel, k), capacity, dtype), _buffer(_kept_heads(kernel, v), capacity, dtype), n)
     if isinstance(kernel, ExactHeadsKernel):
         return o, kernel.exact_state(k, v, kept, n)

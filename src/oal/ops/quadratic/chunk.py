@@ -433,9 +433,17 @@ def parallel_at_end(q, k, v, a, b, C, s, factor, kernel_floor=None, key_weight=N
     floor = -1.0 if kernel_floor is None else float(kernel_floor)
     weights = torch.empty(0) if key_weight is None else key_weight.to(f32).contiguous()
     o, dens, _ = ext.chunk_parallel_forward(
-        q.contiguous(), k.contiguous(), v.contiguous(), fw, fc, c0, rep, weights, canon_of_cyc, floor, False
+        q.contiguous(), head_rows(k), head_rows(v), fw, fc, c0, rep, weights, canon_of_cyc, floor, False
     )
     return o, dens
+
+
+def head_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x (B, H, N, ·)`` as the parallel form reads keys and values: itself when each head's rows are contiguous and
+    its heads evenly apart (e.g. a view of the first N rows of longer heads: no copy), else a contiguous copy."""
+    B, H, _, D = x.shape
+    rows = x.stride(3) == 1 and x.stride(2) == D
+    return x if rows and (B == 1 or x.stride(0) == H * x.stride(1)) else x.contiguous()
 
 
 def _forward_no_grad(

@@ -22,7 +22,7 @@ import torch
 
 from ..quadratic import KernelFactor, feature_dim, quadratic_attention
 from ..quadratic import cpu as cpu_kernel
-from ..quadratic.chunk import chunk_checked, parallel_at_end
+from ..quadratic.chunk import chunk_checked, head_rows, parallel_at_end
 from ..quadratic.utils import Dims, _need_finite, _need_shape, _need_tensor, compute_dtype
 
 MODES = ("naive", "chunk", "recurrent")
@@ -322,15 +322,12 @@ def evaluate_at_end(
     f32 = torch.float32
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, a, b, C, beta)):
         return None
-    qc, kc, vc = (x.to(f32) for x in (q, k, v))
+    qc, kc, vc = q.to(f32), head_rows(k.to(f32)), head_rows(v.to(f32))  # the kernels read k and v in place
     if not _fused_window_usable(qc, kc, vc):
         return None
     # kernel part: query at position past + r reads the keys at positions n_sink … past + r - w, i.e. the delayed
     # keys 0 … N - w - 1 (those below n_sink weigh 0) aligned at the end, for the rows r ≥ first that have any
     first = min(n, max(0, w - past))
-    o_kern = qc.new_zeros(B, Hkv, G, n, dv)
-    den = qc.new_zeros(B, Hkv, G, n)
-    count = qc.new_zeros(B, Hkv, 1, n)
     if first < n:
         weight = (torch.arange(N - w, device=q.device) >= n_sink).to(f32)
         part = parallel_at_end(
@@ -339,20 +336,32 @@ def evaluate_at_end(
         )  # fmt: skip
         if part is None:
             return None
-        o_kern[:, :, :, first:] = part[0].view(B, Hkv, G, n - first, dv)
-        den[:, :, :, first:] = part[1]
-        count[..., first:] = weight.cumsum(0)[past + first - w :]
+    if first == 0 and n:  # every row has kernel keys: the parallel form's outputs are the kernel part as they are
+        o_kern, den = part[0].view(B, Hkv, G, n, dv), part[1]
+        count = weight.cumsum(0)[past - w :].view(1, 1, 1, n)
+    else:
+        o_kern = qc.new_zeros(B, Hkv, G, n, dv)
+        den = qc.new_zeros(B, Hkv, G, n)
+        count = qc.new_zeros(B, Hkv, 1, n)
+        if first < n:
+            o_kern[:, :, :, first:] = part[0].view(B, Hkv, G, n - first, dv)
+            den[:, :, :, first:] = part[1]
+            count[..., first:] = weight.cumsum(0)[past + first - w :]
     if n_sink == 0 and w == 0:  # no exact set: the plain kernel, whatever β
         return o_kern.reshape(B, Hq, n, dv).to(q.dtype)
     log_mass = _log_mass(beta.to(f32).view(Hkv, G, 1), den, count)
     # exact part: the segment continues from the sinks (zeros past the keys) and the window buffer (the w keys
     # before it, zeros before position 0) followed by its own keys, as prepare_segment lays them out
     sinks = [x.new_zeros(B, Hkv, n_sink, x.shape[-1]) for x in (kc, vc)]
-    ext = [x.new_zeros(B, Hkv, w + n, x.shape[-1]) for x in (kc, vc)]
-    m, held = min(n_sink, N), min(w, past)
-    for sink, buf, x in zip(sinks, ext, (kc, vc), strict=True):
+    m = min(n_sink, N)
+    for sink, x in zip(sinks, (kc, vc), strict=True):
         sink[:, :, :m] = x[:, :, :m]
-        buf[:, :, w - held :] = x[:, :, past - held :]
+    if past >= w:  # the window buffer and the segment are the last w + n keys: read in place
+        ext = [x[:, :, past - w :] for x in (kc, vc)]
+    else:
+        ext = [x.new_zeros(B, Hkv, w + n, x.shape[-1]) for x in (kc, vc)]
+        for buf, x in zip(ext, (kc, vc), strict=True):
+            buf[:, :, w - past :] = x
     qg = qc.reshape(B, Hkv, G, n, d).contiguous()
     cpu_kernel.load("window").window_combine(
         qg, ext[0], ext[1], sinks[0], sinks[1], log_mass.contiguous(), o_kern, o_kern, past, n_sink, w, scale

@@ -650,6 +650,13 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
   TORCH_CHECK(rep.scalar_type() == at::kLong && rep.is_contiguous() && rep.numel() == Hq * d,
               "rep: expected (Hq, d) contiguous int64 class representatives");
   const bool floored = kernel_floor >= 0, weighted = key_weight.numel() > 0;
+  // k and v may be views of longer buffers (a head's first N rows): rows contiguous, heads ksh / vsh apart
+  const int64_t ksh = k.stride(1), vsh = v.stride(1);
+  TORCH_CHECK(q.is_contiguous(), "q: expected a contiguous tensor");
+  TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == d && (B == 1 || k.stride(0) == Hkv * ksh),
+              "k: expected contiguous rows of contiguous heads (a view of a head's first rows at most)");
+  TORCH_CHECK(v.stride(3) == 1 && v.stride(2) == dv && (B == 1 || v.stride(0) == Hkv * vsh),
+              "v: expected contiguous rows of contiguous heads (a view of a head's first rows at most)");
   const T *Q = q.data_ptr<T>(), *K = k.data_ptr<T>(), *V = v.data_ptr<T>();
   const float *FW = fw.data_ptr<float>(), *FC = fc.data_ptr<float>(), *C0 = c0.data_ptr<float>();
   const int64_t* REP = rep.data_ptr<int64_t>();
@@ -659,8 +666,7 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
   T* O = o.data_ptr<T>();
   float* DENS = dens.data_ptr<float>();
 
-  // per query head: channel order by class, class offsets and A (R, P); per (batch, query head): q in that order
-  // (N, d) and k in that order as 16-key panels (d, 16); per (batch, KV head): ω v as 16-column panels, ω, counts
+  // per query head: channel order by class, class offsets and A (R, P)
   std::vector<int64_t> perm(Hq * d), off(Hq * (d + 1)), classes(Hq);
   std::vector<float> A(Hq * R * d);
   for (int64_t hq = 0; hq < Hq; ++hq) {
@@ -678,26 +684,11 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
     off[hq * (d + 1) + P] = d;
     classes[hq] = P;
   }
-  std::vector<float> qc(B * Hq * Nq * d), kp(B * Hq * Np * d, 0.f), up(B * Hkv * tiles * Np * kTile, 0.f);
-  std::vector<float> om(B * Hkv * Np, 0.f), counts(B * Hkv * N);
-  at::parallel_for(0, B * Hq, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t bq = lo; bq < hi; ++bq) {
-      const int64_t hq = bq % Hq, bh = bq / Hq * Hkv + hq / G;
-      const int64_t* pm = perm.data() + hq * d;
-      const T* qs = Q + bq * Nq * d;
-      const T* ks = K + bh * N * d;
-      float* qd = qc.data() + bq * Nq * d;
-      float* kd = kp.data() + bq * Np * d;
-      for (int64_t i = 0; i < Nq; ++i)
-        for (int64_t c = 0; c < d; ++c) qd[i * d + c] = static_cast<float>(qs[i * d + pm[c]]);
-      for (int64_t i = 0; i < N; ++i)
-        for (int64_t c = 0; c < d; ++c)
-          kd[(i / kTile * d + c) * kTile + i % kTile] = static_cast<float>(ks[i * d + pm[c]]);
-    }
-  });
+  // per (batch, KV head): ω v as 16-column panels, ω, counts
+  std::vector<float> up(B * Hkv * tiles * Np * kTile, 0.f), om(B * Hkv * Np, 0.f), counts(B * Hkv * N);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t bh = lo; bh < hi; ++bh) {
-      const T* vs = V + bh * N * dv;
+      const T* vs = V + bh * vsh;
       float* ud = up.data() + bh * tiles * Np * kTile;
       float* wd = om.data() + bh * Np;
       double seen = 0;
@@ -709,54 +700,80 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
       }
     }
   });
-  // tasks: (batch, query head, block of kRows queries), each head's blocks in the order first, last, second, …
-  // so that any contiguous range of tasks (one thread's share) holds long and short blocks alike; a block's rows
-  // r0 … r1-1 are positions i0 … i1-1 (lead after them)
-  const int64_t nb = (Nq + kRows - 1) / kRows;
-  at::parallel_for(0, B * Hq * nb, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> sc, kap, num(kRows * dvp);
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t bq = task / nb, x = task % nb, blk = x % 2 ? nb - 1 - x / 2 : x / 2;
-      const int64_t hq = bq % Hq, h = hq / G, g = hq % G, bh = bq / Hq * Hkv + h;
-      const int64_t r0 = blk * kRows, mr = std::min(Nq, r0 + kRows) - r0, i0 = lead + r0, i1 = i0 + mr;
-      const int64_t wt = (i1 + kTile - 1) / kTile, npad = wt * kTile, P = classes[hq];
-      const int64_t* of = off.data() + hq * (d + 1);
-      sc.resize(P * mr * npad);
-      kap.resize(mr * npad);
-      const float* qd = qc.data() + (bq * Nq + r0) * d;
-      const float* kd = kp.data() + bq * Np * d;
-      for (int64_t p = 0; p < P; ++p)  // partial scores s_p of the block's rows against keys 0 … i1-1
-        tile_rows(mr, qd + of[p], d, kd + of[p] * kTile, d * kTile, of[p + 1] - of[p], sc.data() + p * mr * npad,
-                  kTile, npad, wt, false);
-      const float* Ah = A.data() + hq * R * d;
-      const float* ch = FC + hq * R;
-      const float cz = C0[hq];
-      for (int64_t a = 0; a < mr; ++a) {
-        const float* sa = sc.data() + a * npad;
-        float* kr = kap.data() + a * npad;
-        switch (P) {  // the classes' scores in registers; OAL has P = G ≤ 4 groups in practice
-          case 1: kappa_row<1>(sa, mr * npad, Ah, d, ch, R, cz, i0 + a, npad, kr); break;
-          case 2: kappa_row<2>(sa, mr * npad, Ah, d, ch, R, cz, i0 + a, npad, kr); break;
-          case 3: kappa_row<3>(sa, mr * npad, Ah, d, ch, R, cz, i0 + a, npad, kr); break;
-          case 4: kappa_row<4>(sa, mr * npad, Ah, d, ch, R, cz, i0 + a, npad, kr); break;
-          default: kappa_row<0>(sa, mr * npad, Ah, d, ch, R, cz, i0 + a, npad, kr, P); break;
+  // the queries and keys in each query head's channel order are packed for a slab of S query heads at a time
+  // (enough blocks to keep the threads busy), not for all B·Hq at once: per head (N + Nq)·d floats, where all of
+  // them took 4.4 MB for a 512-token chunk over 1,024 keys of SmolLM2's nine query heads (its largest transient)
+  const int64_t nb = (Nq + kRows - 1) / kRows, BHq = B * Hq;
+  const int64_t S = std::min<int64_t>(BHq, std::max<int64_t>(1, (8 * at::get_num_threads() + nb - 1) / nb));
+  std::vector<float> qc(S * Nq * d), kp(S * Np * d, 0.f);  // key rows past N stay 0 in every slab
+  for (int64_t s0 = 0; s0 < BHq; s0 += S) {
+    const int64_t sn = std::min(S, BHq - s0), kpanels = (N + kTile - 1) / kTile;
+    at::parallel_for(0, sn * (Nq + kpanels), 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t x = lo; x < hi; ++x) {
+        const int64_t si = x / (Nq + kpanels), y = x % (Nq + kpanels), bq = s0 + si;
+        const int64_t hq = bq % Hq, bh = bq / Hq * Hkv + hq / G;
+        const int64_t* pm = perm.data() + hq * d;
+        if (y < Nq) {  // one query row
+          const T* qs = Q + (bq * Nq + y) * d;
+          float* qd = qc.data() + (si * Nq + y) * d;
+          for (int64_t c = 0; c < d; ++c) qd[c] = static_cast<float>(qs[pm[c]]);
+        } else {  // one panel of kTile keys
+          const int64_t t = y - Nq;
+          const T* ks = K + bh * ksh;
+          float* kd = kp.data() + si * Np * d + t * d * kTile;
+          for (int64_t i = t * kTile; i < std::min(N, (t + 1) * kTile); ++i)
+            for (int64_t c = 0; c < d; ++c) kd[c * kTile + i % kTile] = static_cast<float>(ks[i * d + pm[c]]);
         }
       }
-      tile_rows(mr, kap.data(), npad, up.data() + bh * tiles * Np * kTile, Np * kTile, i1, num.data(), kTile, dvp,
-                tiles, false);
-      const float* wd = om.data() + bh * Np;
-      for (int64_t a = 0; a < mr; ++a) {
-        const int64_t i = i0 + a;
-        const float cnt = counts[bh * N + i];
-        float dn = dot(kap.data() + a * npad, wd, i + 1);
-        if (floored) dn = std::max(dn, cnt * static_cast<float>(kernel_floor));
-        DENS[(bh * G + g) * Nq + r0 + a] = dn;
-        if (weighted && cnt <= 0.f) dn = 1.f;  // no key with weight > 0 yet: output 0, not 0/0
-        T* orow = O + (bq * Nq + r0 + a) * dv;
-        for (int64_t c = 0; c < dv; ++c) orow[c] = static_cast<T>(num[a * dvp + c] / dn);
+    });
+    // tasks: (query head of the slab, block of kRows queries), each head's blocks in the order first, last, second, …
+    // so that any contiguous range of tasks (one thread's share) holds long and short blocks alike; a block's rows
+    // r0 … r1-1 are positions i0 … i1-1 (lead after them)
+    at::parallel_for(0, sn * nb, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> sc, kap, num(kRows * dvp);
+      for (int64_t task = lo; task < hi; ++task) {
+        const int64_t si = task / nb, bq = s0 + si, x = task % nb, blk = x % 2 ? nb - 1 - x / 2 : x / 2;
+        const int64_t hq = bq % Hq, h = hq / G, g = hq % G, bh = bq / Hq * Hkv + h;
+        const int64_t r0 = blk * kRows, mr = std::min(Nq, r0 + kRows) - r0, i0 = lead + r0, i1 = i0 + mr;
+        const int64_t wt = (i1 + kTile - 1) / kTile, npad = wt * kTile, P = classes[hq];
+        const int64_t* of = off.data() + hq * (d + 1);
+        sc.resize(P * mr * npad);
+        kap.resize(mr * npad);
+        const float* qd = qc.data() + (si * Nq + r0) * d;
+        const float* kd = kp.data() + si * Np * d;
+        for (int64_t p = 0; p < P; ++p)  // partial scores s_p of the block's rows against keys 0 … i1-1
+          tile_rows(mr, qd + of[p], d, kd + of[p] * kTile, d * kTile, of[p + 1] - of[p], sc.data() + p * mr * npad,
+                    kTile, npad, wt, false);
+        const float* Ah = A.data() + hq * R * d;
+        const float* ch = FC + hq * R;
+        const float cz = C0[hq];
+        for (int64_t a = 0; a < mr; ++a) {
+          const float* sa = sc.data() + a * npad;
+          float* kr = kap.data() + a * npad;
+          switch (P) {  // the classes' scores in registers; OAL has P = G ≤ 4 groups in practice
+            case 1: kappa_row<1>(sa, mr * npad, Ah, d, ch, R, cz, i0 + a, npad, kr); break;
+            case 2: kappa_row<2>(sa, mr * npad, Ah, d, ch, R, cz, i0 + a, npad, kr); break;
+            case 3: kappa_row<3>(sa, mr * npad, Ah, d, ch, R, cz, i0 + a, npad, kr); break;
+            case 4: kappa_row<4>(sa, mr * npad, Ah, d, ch, R, cz, i0 + a, npad, kr); break;
+            default: kappa_row<0>(sa, mr * npad, Ah, d, ch, R, cz, i0 + a, npad, kr, P); break;
+          }
+        }
+        tile_rows(mr, kap.data(), npad, up.data() + bh * tiles * Np * kTile, Np * kTile, i1, num.data(), kTile, dvp,
+                  tiles, false);
+        const float* wd = om.data() + bh * Np;
+        for (int64_t a = 0; a < mr; ++a) {
+          const int64_t i = i0 + a;
+          const float cnt = counts[bh * N + i];
+          float dn = dot(kap.data() + a * npad, wd, i + 1);
+          if (floored) dn = std::max(dn, cnt * static_cast<float>(kernel_floor));
+          DENS[(bh * G + g) * Nq + r0 + a] = dn;
+          if (weighted && cnt <= 0.f) dn = 1.f;  // no key with weight > 0 yet: output 0, not 0/0
+          T* orow = O + (bq * Nq + r0 + a) * dv;
+          for (int64_t c = 0; c < dv; ++c) orow[c] = static_cast<T>(num[a * dvp + c] / dn);
+        }
       }
-    }
-  });
+    });
+  }
   Tensor final = at::empty({0}, f32);
   if (want_final) {
     const int64_t e = d + 1, P = e / 2 + 1, Dc = e * P, D = 1 + d + d * (d + 1) / 2;
@@ -768,7 +785,7 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
     at::parallel_for(0, B * Hkv, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t bh = lo; bh < hi; ++bh) {
         float* y = yk.data() + bh * 2 * e * N;
-        const T* ks = K + bh * N * d;
+        const T* ks = K + bh * ksh;
         for (int64_t j = 0; j < N; ++j) {
           for (int64_t r = 0; r < d; ++r) y[r * N + j] = y[(r + e) * N + j] = static_cast<float>(ks[j * d + r]);
           y[d * N + j] = y[(d + e) * N + j] = 1.f;

@@ -43,6 +43,7 @@ struct Segment {
   const float *q, *ext_k, *ext_v, *sink_k, *sink_v, *log_mass;
   int64_t G, N, d, dv, t0, n_sink, w;
   float scale;
+  int64_t ekh, evh;  // ext_k's and ext_v's head strides (w + N rows, or more for a view of longer heads)
 };
 
 // One block's query rows Q (G·nq, d) in (g, i) order, its exact keys K (L, d) and values V (L, dv) (the ns sinks
@@ -69,8 +70,8 @@ Block block_weights(const Segment& sg, int64_t bh, int64_t i_lo) {
   std::memcpy(b.K.data_ptr<float>(), sg.sink_k + bh * n_sink * d, sizeof(float) * ns * d);
   std::memcpy(b.V.data_ptr<float>(), sg.sink_v + bh * n_sink * dv, sizeof(float) * ns * dv);
   if (nw) {
-    std::memcpy(b.K.data_ptr<float>() + ns * d, sg.ext_k + (bh * (w + N) + lo) * d, sizeof(float) * nw * d);
-    std::memcpy(b.V.data_ptr<float>() + ns * dv, sg.ext_v + (bh * (w + N) + lo) * dv, sizeof(float) * nw * dv);
+    std::memcpy(b.K.data_ptr<float>() + ns * d, sg.ext_k + bh * sg.ekh + lo * d, sizeof(float) * nw * d);
+    std::memcpy(b.V.data_ptr<float>() + ns * dv, sg.ext_v + bh * sg.evh + lo * dv, sizeof(float) * nw * dv);
   }
   b.P = at::mm(b.Q, b.K.t());  // logits (rows, L), normalised weights below
   float* pp = b.P.data_ptr<float>();
@@ -102,11 +103,19 @@ Block block_weights(const Segment& sg, int64_t bh, int64_t i_lo) {
   return b;
 }
 
+// fp32 CPU (B, H, rows, ·) whose heads' rows are contiguous and heads evenly apart: contiguous, or a view of
+// consecutive rows of longer heads (a prompt's later chunk reads its window and keys from the kept keys in place)
+void check_head_rows(const Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() == 4 && x.stride(3) == 1 &&
+                  x.stride(2) == x.size(3) && (x.size(0) == 1 || x.stride(0) == x.size(1) * x.stride(1)),
+              name, ": expected a CPU float32 tensor (B, H, rows, ·) with contiguous rows, heads evenly apart");
+}
+
 void check_segment(const Tensor& q, const Tensor& ext_k, const Tensor& ext_v, const Tensor& sink_k,
                    const Tensor& sink_v, const Tensor& log_mass, const Tensor& o_kern, int64_t n_sink, int64_t w) {
   check_f32(q, "q", 5);
-  check_f32(ext_k, "ext_k", 4);
-  check_f32(ext_v, "ext_v", 4);
+  check_head_rows(ext_k, "ext_k");
+  check_head_rows(ext_v, "ext_v");
   check_f32(sink_k, "sink_k", 4);
   check_f32(sink_v, "sink_v", 4);
   check_f32(log_mass, "log_mass", 4);
@@ -123,7 +132,7 @@ Segment segment(const Tensor& q, const Tensor& ext_k, const Tensor& ext_v, const
                 const Tensor& sink_v, const Tensor& log_mass, int64_t t0, int64_t n_sink, int64_t w, double scale) {
   return {q.data_ptr<float>(), ext_k.data_ptr<float>(), ext_v.data_ptr<float>(), sink_k.data_ptr<float>(),
           sink_v.data_ptr<float>(), log_mass.data_ptr<float>(), q.size(2), q.size(3), q.size(4), ext_v.size(3),
-          t0, n_sink, w, float(scale)};
+          t0, n_sink, w, float(scale), ext_k.stride(1), ext_v.stride(1)};
 }
 
 // q (B, Hkv, G, N, d); ext_k (B, Hkv, w + N, d), ext_v (…, dv): the window buffer followed by the segment;
@@ -170,6 +179,8 @@ std::vector<Tensor> window_backward(const Tensor& q, const Tensor& ext_k, const 
                                     const Tensor& out, const Tensor& d_out, int64_t t0, int64_t n_sink, int64_t w,
                                     double scale) {
   check_segment(q, ext_k, ext_v, sink_k, sink_v, log_mass, o_kern, n_sink, w);
+  check_f32(ext_k, "ext_k", 4);  // the key gradients are laid out as contiguous ext_k and ext_v
+  check_f32(ext_v, "ext_v", 4);
   check_f32(out, "out", 5);
   check_f32(d_out, "d_out", 5);
   TORCH_CHECK(out.sizes() == o_kern.sizes() && d_out.sizes() == o_kern.sizes(),
