@@ -256,6 +256,20 @@ def test_spare_slots_spread_layers_over_the_growth_cycle():
     assert spare_slots(GROWTH) == 0
 
 
+def in_pieces(kernel, q, k, v, pieces, model_dtype):
+    """A prompt of ``sum(pieces)`` tokens in the kept form, piece by piece (:func:`kept_form.start`, then
+    :func:`kept_form.extend`): ``(o, state)`` after each."""
+    at, state = 0, None
+    for size in pieces:
+        piece = [x[:, :, at : at + size] for x in (q, k, v)]
+        if state is None:
+            o, state = kept_form.start(kernel, *piece, model_dtype)
+        else:
+            o, state = kept_form.extend(kernel, *piece, state, model_dtype)
+        at += size
+        yield o, state
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("Hq, Hkv", [(3, 3), (9, 3)])
 @pytest.mark.parametrize("pieces", [(1, 2), (63, 18), (30, 1, 17, 33)])
@@ -274,15 +288,8 @@ def test_extend_evaluates_after_the_kept_keys_without_a_fold(kind, Hq, Hkv, piec
     q, k, v = (x.bfloat16().float() for x in make_qkv(B, Hq, Hkv, n, d))
     with torch.no_grad(), model_layer(3):
         want, _ = kernel(q, k, v)
-        o, state = kept_form.start(
-            kernel, q[:, :, : pieces[0]], k[:, :, : pieces[0]], v[:, :, : pieces[0]], model_dtype
-        )
-        outs, at = [o], pieces[0]
-        for size in pieces[1:]:
-            piece = (x[:, :, at : at + size] for x in (q, k, v))
-            o, state = kept_form.extend(kernel, *piece, state, model_dtype)
-            outs.append(o)
-            at += size
+        outs, states = zip(*in_pieces(kernel, q, k, v, pieces, model_dtype), strict=True)
+    state = states[-1]
     assert not folded
     torch.testing.assert_close(torch.cat(outs, 2), want, rtol=2e-5, atol=2e-5)
     kept = kept_of(state)
@@ -312,21 +319,12 @@ def test_prompt_in_chunks_writes_into_its_first_chunks_buffers(kind, model_dtype
     q, k, v = (x.bfloat16().float() for x in make_qkv(B, Hq, Hkv, n, d))
     with torch.no_grad(), model_layer(3), prompt_end(n):
         want, _ = kernel(q, k, v)
-        o, state = kept_form.start(
-            kernel, q[:, :, : pieces[0]], k[:, :, : pieces[0]], v[:, :, : pieces[0]], model_dtype
-        )
-        first = kept_of(state)
-        room = min(n + 41 * 3 % KEPT_GROWTH, keep_limit(kernel, d, d, model_dtype.itemsize))  # fp32: the limit, 81
-        assert first.k.shape[2] == room and first.length == pieces[0]
-        outs, at = [o], pieces[0]
-        for size in pieces[1:]:
-            piece = (x[:, :, at : at + size] for x in (q, k, v))
-            o, state = kept_form.extend(kernel, *piece, state, model_dtype)
-            outs.append(o)
-            at += size
-            kept = kept_of(state)
-            assert kept.length == at
-            assert kept.k.data_ptr() == first.k.data_ptr() and kept.v.data_ptr() == first.v.data_ptr()
+        outs, states = zip(*in_pieces(kernel, q, k, v, pieces, model_dtype), strict=True)
+    first, kept = kept_of(states[0]), kept_of(states[-1])
+    room = min(n + 41 * 3 % KEPT_GROWTH, keep_limit(kernel, d, d, model_dtype.itemsize))  # fp32: the limit, 81
+    assert first.k.shape[2] == room and [kept_of(s).length for s in states] == [30, 47, 80]
+    for later in map(kept_of, states[1:]):
+        assert later.k.data_ptr() == first.k.data_ptr() and later.v.data_ptr() == first.v.data_ptr()
     torch.testing.assert_close(torch.cat(outs, 2), want, rtol=2e-5, atol=2e-5)
     heads = list(kernel.kernel_kv_heads) if isinstance(kernel, ExactHeadsKernel) else list(range(Hkv))
     torch.testing.assert_close(kept.k[:, :, :n].float(), k[:, heads], rtol=0, atol=0)
