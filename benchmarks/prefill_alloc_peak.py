@@ -5,8 +5,8 @@ what it holds at the end (the cache, and what a model keeps beside it), the modu
 and per decoder layer the transient of its attention and of its MLP (their peak above what was held when they
 started). This is the live data of the peak resident set, without allocator retention or code pages
 (``benchmarks/prefill_rss.py --mappings`` splits those); buffers the fused C++ kernels allocate with ``malloc``
-(``std::vector``: the parallel form's packed queries and keys, ~5.6 MB at 1k for SmolLM2's nine query heads) are
-not torch's and not counted.
+(``std::vector``: the parallel form's packed values and the queries and keys of a slab of query heads, ~1.2 MB for
+a 512-token chunk over 1k keys at 2 threads) are not torch's and not counted.
 
     python benchmarks/prefill_alloc_peak.py --n 1024 --dtype bf16 --models original,recipe
 """

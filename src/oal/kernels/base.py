@@ -100,7 +100,8 @@ def with_kept(kept: KeptKV, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Ten
         # no second buffer per chunk: the first chunk's buffers are not freed between the chunks' transients,
         # where they would stay as holes in malloc's heap
         kept.k[:, :, past : past + n], kept.v[:, :, past : past + n] = k, v
-        keys, values = (x[:, :, : past + n].to(k.dtype).contiguous() for x in (kept.k, kept.v))
+        # views of the buffers where the dtypes agree: the fused kernels read a head's first rows in place
+        keys, values = (x[:, :, : past + n].to(k.dtype) for x in (kept.k, kept.v))
         return keys, values, KeptKV(kept.k, kept.v, past + n)
     keys = torch.cat([kept.k[:, :, :past].to(k.dtype), k], dim=2)
     values = torch.cat([kept.v[:, :, :past].to(v.dtype), v], dim=2)

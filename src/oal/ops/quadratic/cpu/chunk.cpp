@@ -702,7 +702,7 @@ std::vector<Tensor> parallel_forward(const Tensor& q, const Tensor& k, const Ten
   });
   // the queries and keys in each query head's channel order are packed for a slab of S query heads at a time
   // (enough blocks to keep the threads busy), not for all B·Hq at once: per head (N + Nq)·d floats, where all of
-  // them took 4.4 MB for a 512-token chunk over 1,024 keys of SmolLM2's nine query heads (its largest transient)
+  // them took 3.5 MB for a 512-token chunk over 1,024 keys of SmolLM2's nine query heads (its largest transient)
   const int64_t nb = (Nq + kRows - 1) / kRows, BHq = B * Hq;
   const int64_t S = std::min<int64_t>(BHq, std::max<int64_t>(1, (8 * at::get_num_threads() + nb - 1) / nb));
   std::vector<float> qc(S * Nq * d), kp(S * Np * d, 0.f);  // key rows past N stay 0 in every slab
