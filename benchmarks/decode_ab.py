@@ -1,9 +1,16 @@
-"""Decode latency of two converted models side by side in one process: each prefilled once with the same seeded
-random prompt, then greedy decode steps alternating between them (the order swapped every step), so that the
-machine's state moves both alike (this machine's speed swings ±30 % between minutes; separate processes minutes
-apart do not separate a few per cent). Prints one JSON line per model: median and min ms per step.
+"""Decode latency of two models side by side in one process, at one or more contexts: every (model, context) pair
+prefilled once with the same seeded random prompt, then greedy decode steps taking the pairs in turn (the order
+reversed every step), so that the machine's state moves all alike (this machine's speed swings ±30 % between
+minutes; separate processes minutes apart do not separate a few per cent). A model is a converted model's
+directory or a base model's name (``smollm2-135m``: the original, in a plain ``DynamicCache``).
+
+Prints one JSON line per (model, context): median and min ms per step; then one ``ratio`` line per context (the
+second model's median over the first's: issue #15's goal 1 compares the converted model's latency to the
+original's) and, with two or more contexts, one ``growth`` line per model (its median at the longest context over
+its median at the shortest, from steps taken in turn with the shorter context's).
 
     python benchmarks/decode_ab.py docs/results/conversion/model docs/results/conversion/model_int8kv --n 8192
+    python benchmarks/decode_ab.py smollm2-135m docs/results/conversion/model --n 1024,8192 --steps 66
 """
 
 from __future__ import annotations
@@ -21,36 +28,54 @@ from oal.models.state_cache import KernelCache, cache_nbytes
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("models", nargs=2, help="two converted model directories")
-    ap.add_argument("--n", type=int, default=8192, help="prompt tokens")
-    ap.add_argument("--steps", type=int, default=32, help="decode steps per model (the first 2 untimed)")
+    ap.add_argument("models", nargs=2, help="two models: converted model directories or base model names")
+    ap.add_argument("--n", default="8192", help="prompt tokens, comma-separated for several contexts")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per model and context (the first 2 untimed)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    sizes = [int(s) for s in args.n.split(",")]
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"--n: expected positive prompt lengths, got {args.n!r}")
     torch.set_num_threads(args.threads)
-    ids = torch.randint(0, 49152, (1, args.n), generator=torch.Generator().manual_seed(args.seed))
-    models, state = {}, {}
-    for name in args.models:
-        model = load_model(name)
-        cache = KernelCache(model)
-        with torch.no_grad():
-            out = model(ids, cache=cache, use_cache=True)
-        models[name], state[name] = model, (cache, out.logits[:, -1:].argmax(-1))
-    times: dict[str, list[float]] = {name: [] for name in models}
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    models = {name: load_model(name, dtype=dtype) for name in args.models}
+    pairs = [(name, n) for n in sizes for name in args.models]
+    state = {}
+    with torch.no_grad():
+        for name, n in pairs:
+            ids = torch.randint(
+                0, models[name].config.vocab_size, (1, n), generator=torch.Generator().manual_seed(args.seed)
+            )
+            cache = KernelCache(models[name])
+            out = models[name](ids, cache=cache, use_cache=True, logits_to_keep=1)
+            state[name, n] = (cache, out.logits[:, -1:].argmax(-1))
+    times: dict[tuple[str, int], list[float]] = {pair: [] for pair in pairs}
     with torch.no_grad():
         for i in range(args.steps):
-            for name in args.models if i % 2 == 0 else args.models[::-1]:
-                cache, token = state[name]
+            for pair in pairs if i % 2 == 0 else pairs[::-1]:
+                cache, token = state[pair]
                 t0 = time.perf_counter()
-                out = models[name](token, cache=cache, use_cache=True)
+                out = models[pair[0]](token, cache=cache, use_cache=True)
                 dt = time.perf_counter() - t0
-                state[name] = (cache, out.logits[:, -1:].argmax(-1))
+                state[pair] = (cache, out.logits[:, -1:].argmax(-1))
                 if i >= 2:
-                    times[name].append(dt * 1e3)
-    for name, ms in times.items():
-        row = {"model": name, "n": args.n, "median_ms": round(statistics.median(ms), 2), "min_ms": round(min(ms), 2)}
-        row.update(cache_mb=round(cache_nbytes(state[name][0]) / 1e6, 1), steps=len(ms), threads=args.threads)
-        print(json.dumps(row), flush=True)
+                    times[pair].append(dt * 1e3)
+    median = {pair: statistics.median(ms) for pair, ms in times.items()}
+    for (name, n), ms in times.items():
+        row = {"model": name, "n": n, "median_ms": round(median[name, n], 2), "min_ms": round(min(ms), 2)}
+        row.update(cache_mb=round(cache_nbytes(state[name, n][0]) / 1e6, 1), steps=len(ms), threads=args.threads)
+        print(json.dumps({**row, "dtype": args.dtype}), flush=True)
+    first, second = args.models
+    for n in sizes:
+        ratio = median[second, n] / median[first, n]
+        print(json.dumps({"ratio": f"{second} / {first}", "n": n, "latency_ratio": round(ratio, 3)}), flush=True)
+    if len(sizes) > 1:
+        lo, hi = min(sizes), max(sizes)
+        for name in args.models:
+            growth = median[name, hi] / median[name, lo] - 1
+            print(json.dumps({"growth": name, "from": lo, "to": hi, "growth_pct": round(100 * growth, 1)}), flush=True)
 
 
 if __name__ == "__main__":
