@@ -2,12 +2,14 @@
 evaluated over the kept and the new keys without a state (``at_end``: the default where the fused CPU kernels load,
 :func:`oal.kernels.kept.extend`) or over the kept keys folded into a transient state first (``fold``: the path
 without them, forced here), against the original model's one call. Per prompt length and chunk length (``0``: one
-call; ``default``: the model's own choice, :func:`oal.models.prefill.prefill_chunk`): the prefill seconds of each
+call; ``default``: the model's own choice, :func:`oal.models.prefill.prefill_chunk`; ``--converted plain``: plain
+OAL on layers 3–26 instead of the committed recipe): the prefill seconds of each
 way, round after round (alternating), and the largest |difference| of the last logits from the converted model's
 one call.
 
     python benchmarks/chunk_ab.py --sizes 1024 --chunks 256 --dtype bf16 --repeats 3
     python benchmarks/chunk_ab.py --sizes 1536,2048 --chunks default --dtype bf16 --repeats 3
+    python benchmarks/chunk_ab.py --sizes 1024 --chunks default --dtype fp32 --converted plain --repeats 5
 """
 
 from __future__ import annotations
@@ -56,12 +58,16 @@ def main() -> None:
     ap.add_argument("--sizes", default="1024")
     ap.add_argument("--chunks", default="256", help="chunk lengths, 'default' for the model's own choice")
     ap.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
-    ap.add_argument("--converted", default="docs/results/conversion/model")
+    ap.add_argument(
+        "--converted", default="docs/results/conversion/model", help="a converted model's directory, or plain"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(2)
     original = build_model("original", DecodeConfig(dtype=args.dtype))
-    converted = build_model("converted", DecodeConfig(converted=args.converted, dtype=args.dtype))
+    plain = args.converted == "plain"  # OAL on layers 3–26, synthetic groups, as oal bench decode builds it
+    config = DecodeConfig(converted=None if plain else args.converted, kernel="oal", layers="3-26", dtype=args.dtype)
+    converted = build_model("converted", config)
     chunks = [None if c == "default" else int(c) for c in args.chunks.split(",")]
     for n in (int(x) for x in args.sizes.split(",")):
         ids = torch.randint(converted.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))

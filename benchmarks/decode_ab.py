@@ -2,15 +2,19 @@
 prefilled once with the same seeded random prompt, then greedy decode steps taking the pairs in turn (the order
 reversed every step), so that the machine's state moves all alike (this machine's speed swings ±30 % between
 minutes; separate processes minutes apart do not separate a few per cent). A model is a converted model's
-directory or a base model's name (``smollm2-135m``: the original, in a plain ``DynamicCache``).
+directory, a base model's name (``smollm2-135m``: the original, in a plain ``DynamicCache``) or ``plain`` (plain OAL
+on layers 3–26 with synthetic groups, as ``oal bench decode --kernel oal --layers 3-26`` builds it).
 
-Prints one JSON line per (model, context): median and min ms per step; then one ``ratio`` line per context (the
-second model's median over the first's: issue #15's goal 1 compares the converted model's latency to the
-original's) and, with two or more contexts, one ``growth`` line per model (its median at the longest context over
-its median at the shortest, from steps taken in turn with the shorter context's).
+Prints one JSON line per (model, context): median and min ms per step, tokens/s; then one ``ratio`` line per
+context (the second model's median over the first's: issue #15's goal 1 compares the converted model's latency to
+the original's, goal 2 its tokens/s at ``--batch 8``, the inverse) and, with two or more contexts, one ``growth``
+line per model (its median at the longest context over its median at the shortest, from steps taken in turn with
+the shorter context's).
 
     python benchmarks/decode_ab.py docs/results/conversion/model docs/results/conversion/model_int8kv --n 8192
     python benchmarks/decode_ab.py smollm2-135m docs/results/conversion/model --n 1024,8192 --steps 66
+    python benchmarks/decode_ab.py smollm2-135m plain --n 1024,8192 --steps 66
+    python benchmarks/decode_ab.py smollm2-135m docs/results/conversion/model --n 4096 --batch 8 --steps 34
 """
 
 from __future__ import annotations
@@ -22,31 +26,41 @@ import time
 
 import torch
 
+from oal.bench.decode import DecodeConfig, build_model
 from oal.models import load_model
 from oal.models.state_cache import KernelCache, cache_nbytes
 
 
+def build(name: str, dtype: str) -> torch.nn.Module:
+    """A converted model's directory or a base model's name (loaded as it is), or ``plain``."""
+    if name == "plain":
+        return build_model("converted", DecodeConfig(kernel="oal", layers="3-26", dtype=dtype))
+    return load_model(name, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("models", nargs=2, help="two models: converted model directories or base model names")
+    ap.add_argument("models", nargs=2, help="two models: converted model directories, base model names or plain")
     ap.add_argument("--n", default="8192", help="prompt tokens, comma-separated for several contexts")
     ap.add_argument("--steps", type=int, default=32, help="decode steps per model and context (the first 2 untimed)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--batch", type=int, default=1, help="equal-length prompts decoded together")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     sizes = [int(s) for s in args.n.split(",")]
     if not sizes or min(sizes) < 1:
         raise SystemExit(f"--n: expected positive prompt lengths, got {args.n!r}")
+    if args.batch < 1:
+        raise SystemExit(f"--batch: expected a positive batch size, got {args.batch}")
     torch.set_num_threads(args.threads)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    models = {name: load_model(name, dtype=dtype) for name in args.models}
+    models = {name: build(name, args.dtype).eval() for name in args.models}
     pairs = [(name, n) for n in sizes for name in args.models]
     state = {}
     with torch.no_grad():
         for name, n in pairs:
             ids = torch.randint(
-                0, models[name].config.vocab_size, (1, n), generator=torch.Generator().manual_seed(args.seed)
+                0, models[name].config.vocab_size, (args.batch, n), generator=torch.Generator().manual_seed(args.seed)
             )
             cache = KernelCache(models[name])
             out = models[name](ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -66,6 +80,7 @@ def main() -> None:
     for (name, n), ms in times.items():
         row = {"model": name, "n": n, "median_ms": round(median[name, n], 2), "min_ms": round(min(ms), 2)}
         row.update(cache_mb=round(cache_nbytes(state[name, n][0]) / 1e6, 1), steps=len(ms), threads=args.threads)
+        row.update(batch=args.batch, tokens_per_s=round(args.batch * 1e3 / median[name, n], 1))
         print(json.dumps({**row, "dtype": args.dtype}), flush=True)
     first, second = args.models
     for n in sizes:

@@ -1,0 +1,40 @@
+"""benchmarks/prefill_trace.py and benchmarks/decode_ab.py: a trace snapshot reads what the process holds; bad
+arguments are refused before any model loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux's /proc/self/status")
+def test_snapshot_sees_a_new_tensor(load_benchmark):
+    trace = load_benchmark("prefill_trace")
+    before = trace.snapshot("before")
+    assert set(before) == {"tag", "rss", "hwm", "arena", "mmap", "live", "free"}
+    assert 0 < before["rss"] <= before["hwm"]
+    x = torch.ones(64 * 2**20 // 4)  # 64 MB, written: resident, and malloc's (mmapped or heap) until freed
+    after = trace.snapshot("after")
+    assert after["rss"] - before["rss"] > 60
+    assert after["live"] + after["mmap"] - before["live"] - before["mmap"] > 60
+    del x
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--n", "1024,0"], "--n: expected positive prompt lengths, got '1024,0'"),
+        (["--batch", "0"], "--batch: expected a positive batch size, got 0"),
+    ],
+)
+def test_decode_ab_refuses_bad_arguments(args, message):
+    cmd = [sys.executable, str(BENCHMARKS / "decode_ab.py"), "smollm2-135m", "plain", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert message in proc.stderr
