@@ -62,6 +62,7 @@ def main() -> None:
         "--converted", default="docs/results/conversion/model", help="a converted model's directory, or plain"
     )
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ways", default="at_end,fold", help="the converted model's ways, in this order each round")
     args = ap.parse_args()
     torch.set_num_threads(2)
     original = build_model("original", DecodeConfig(dtype=args.dtype))
@@ -69,16 +70,19 @@ def main() -> None:
     config = DecodeConfig(converted=None if plain else args.converted, kernel="oal", layers="3-26", dtype=args.dtype)
     converted = build_model("converted", config)
     chunks = [None if c == "default" else int(c) for c in args.chunks.split(",")]
+    ways = args.ways.split(",")
+    if not ways or not set(ways) <= {"at_end", "fold"}:
+        raise SystemExit(f"--ways: expected at_end, fold or both, got {args.ways!r}")
     for n in (int(x) for x in args.sizes.split(",")):
         ids = torch.randint(converted.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
         prefill(original, ids[:, :256], 0)  # warm-up: the first call builds and loads what later ones reuse
         _, one_call = prefill(converted, ids, 0)
         for chunk in chunks:
-            times: dict[str, list[float]] = {"original": [], "at_end": [], "fold": []}
+            times: dict[str, list[float]] = {"original": [], **{way: [] for way in ways}}
             diffs: dict[str, float] = {}
             for _ in range(args.repeats):
                 times["original"].append(prefill(original, ids, 0)[0])
-                for way in ("at_end", "fold"):
+                for way in ways:
                     with folding(way == "fold"):
                         seconds, logits = prefill(converted, ids, chunk)
                     times[way].append(seconds)
