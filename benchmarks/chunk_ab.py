@@ -64,15 +64,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ways", default="at_end,fold", help="the converted model's ways, in this order each round")
     args = ap.parse_args()
+    ways = args.ways.split(",")
+    if not ways or not set(ways) <= {"at_end", "fold"}:
+        raise SystemExit(f"--ways: expected at_end, fold or both, got {args.ways!r}")
     torch.set_num_threads(2)
     original = build_model("original", DecodeConfig(dtype=args.dtype))
     plain = args.converted == "plain"  # OAL on layers 3–26, synthetic groups, as oal bench decode builds it
     config = DecodeConfig(converted=None if plain else args.converted, kernel="oal", layers="3-26", dtype=args.dtype)
     converted = build_model("converted", config)
     chunks = [None if c == "default" else int(c) for c in args.chunks.split(",")]
-    ways = args.ways.split(",")
-    if not ways or not set(ways) <= {"at_end", "fold"}:
-        raise SystemExit(f"--ways: expected at_end, fold or both, got {args.ways!r}")
     for n in (int(x) for x in args.sizes.split(",")):
         ids = torch.randint(converted.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
         prefill(original, ids[:, :256], 0)  # warm-up: the first call builds and loads what later ones reuse

@@ -1,4 +1,4 @@
-"""benchmarks/prefill_trace.py and benchmarks/decode_ab.py: a trace snapshot reads what the process holds; bad
+"""benchmarks/prefill_trace.py, decode_ab.py and chunk_ab.py: a trace snapshot reads what the process holds; bad
 arguments are refused before any model loads."""
 
 from __future__ import annotations
@@ -38,3 +38,10 @@ def test_decode_ab_refuses_bad_arguments(args, message):
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+def test_chunk_ab_refuses_unknown_ways():
+    cmd = [sys.executable, str(BENCHMARKS / "chunk_ab.py"), "--ways", "at_end,other"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "--ways: expected at_end, fold or both, got 'at_end,other'" in proc.stderr
