@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--ways", default="at_end,fold", help="the converted model's ways, in this order each round")
     args = ap.parse_args()
     ways = args.ways.split(",")
-    if not ways or not set(ways) <= {"at_end", "fold"}:
+    if not set(ways) <= {"at_end", "fold"}:
         raise SystemExit(f"--ways: expected at_end, fold or both, got {args.ways!r}")
     torch.set_num_threads(2)
     original = build_model("original", DecodeConfig(dtype=args.dtype))

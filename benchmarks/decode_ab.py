@@ -48,8 +48,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="equal-length prompts decoded together")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    sizes = [int(s) for s in args.n.split(",")]
-    if not sizes or min(sizes) < 1:
+    try:
+        sizes = [int(s) for s in args.n.split(",")]
+    except ValueError:
+        sizes = [0]
+    if min(sizes) < 1:
         raise SystemExit(f"--n: expected positive prompt lengths, got {args.n!r}")
     if args.batch < 1:
         raise SystemExit(f"--batch: expected a positive batch size, got {args.batch}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import sys
 from pathlib import Path
@@ -19,24 +20,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefill_peak import build  # noqa: E402
+from prefill_rss import status  # noqa: E402
+
+
+@functools.cache
+def _mallinfo2():
+    """glibc's mallinfo2, typed once (every hook of a trace calls it)."""
+    from oal.bench.devices import _MallInfo2
+
+    fn = ctypes.CDLL(None).mallinfo2
+    fn.restype = _MallInfo2
+    return fn
 
 
 def snapshot(tag: str) -> dict[str, object]:
     """VmRSS, VmHWM and mallinfo2's totals (MB) now."""
-    from oal.bench.devices import _MallInfo2
-
-    status = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS", "VmHWM")):
-                key, value = line.split(":")
-                status[key] = int(value.split()[0]) / 1024
-    mallinfo2 = ctypes.CDLL(None).mallinfo2
-    mallinfo2.restype = _MallInfo2
-    info = mallinfo2()
+    now, info = status(), _mallinfo2()()
     mb = {k: round(getattr(info, f) / 2**20, 1) for k, f in (("arena", "arena"), ("mmap", "hblkhd"))}
     mb.update(live=round(info.uordblks / 2**20, 1), free=round(info.fordblks / 2**20, 1))
-    return {"tag": tag, "rss": round(status["VmRSS"], 1), "hwm": round(status["VmHWM"], 1), **mb}
+    return {"tag": tag, "rss": round(now["VmRSS"], 1), "hwm": round(now["VmHWM"], 1), **mb}
 
 
 def main() -> None:

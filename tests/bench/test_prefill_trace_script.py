@@ -30,6 +30,7 @@ def test_snapshot_sees_a_new_tensor(load_benchmark):
     ("args", "message"),
     [
         (["--n", "1024,0"], "--n: expected positive prompt lengths, got '1024,0'"),
+        (["--n", "1024,x"], "--n: expected positive prompt lengths, got '1024,x'"),
         (["--batch", "0"], "--batch: expected a positive batch size, got 0"),
     ],
 )
