@@ -4,7 +4,12 @@ glibc keeps (``fordblks``), the arenas' size and mmapped blocks. One model per p
 converted model (``recipe``) or plain OAL (layers 3–26), prefilled with N seeded random tokens as ``prefill_peak.py``
 does (default chunks unless ``--chunk``). Prints a summary line, then one line per boundary.
 
+``--without`` takes back what stop 47 added to a prompt in chunks, to measure it: ``chunk_release`` (the freed heap
+returned before every chunk after the first, :mod:`oal.models.prefill`), ``prompt_room`` (the softmax layers'
+buffers sized for the whole prompt at its first chunk, :class:`oal.models.state_cache.ExactKVLayer`).
+
     python benchmarks/prefill_trace.py recipe --n 1024 --dtype bf16 > trace_recipe.jsonl
+    python benchmarks/prefill_trace.py plain --n 1024 --dtype fp32 --without chunk_release,prompt_room
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import ctypes
 import functools
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -41,6 +47,29 @@ def snapshot(tag: str) -> dict[str, object]:
     return {"tag": tag, "rss": round(now["VmRSS"], 1), "hwm": round(now["VmHWM"], 1), **mb}
 
 
+ABLATIONS = ("chunk_release", "prompt_room")
+
+
+def ablations(text: str) -> tuple[str, ...]:
+    """``--without``'s comma-separated names, each one of :data:`ABLATIONS`."""
+    names = tuple(x for x in text.split(",") if x)
+    unknown = [x for x in names if x not in ABLATIONS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"expected names among {', '.join(ABLATIONS)}, got {text!r}")
+    return names
+
+
+def take_back(names: tuple[str, ...]) -> None:
+    """Undo stop 47's additions named in ``names`` in this process (see the module docstring)."""
+    from oal.models import prefill, state_cache
+
+    if "chunk_release" in names:
+        forward = prefill._forward
+        prefill._forward = lambda *args, release=False, **kwargs: forward(*args, **kwargs)
+    if "prompt_room" in names:
+        state_cache.context_end = lambda end: end
+
+
 def main() -> None:
     from oal.bench.devices import get_device
     from oal.models import KernelCache
@@ -50,7 +79,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
     ap.add_argument("--chunk", type=int, default=None, help="config.oal_prefill_chunk (default: the model's own)")
+    ap.add_argument("--without", type=ablations, default=(), help=f"comma-separated, among {', '.join(ABLATIONS)}")
     args = ap.parse_args()
+    take_back(args.without)
     torch.set_num_threads(2)
     model = build(args.model, args.dtype)
     if args.chunk is not None:
@@ -66,12 +97,15 @@ def main() -> None:
     if not get_device("cpu").reset_peak():
         raise SystemExit("this system refuses the VmHWM reset (/proc/self/clear_refs): no peak from the prefill")
     events.append(snapshot("start"))
+    start = time.perf_counter()
     with torch.no_grad():
         model(ids, cache=cache, logits_to_keep=1)
+    seconds = time.perf_counter() - start  # with the hooks' snapshots (~60 per chunk)
     events.append(snapshot("end"))
     peak = events[-1]["hwm"]
     at = next(e for e in events if e["hwm"] >= peak)
-    summary = {"model": args.model, "n": args.n, "dtype": args.dtype, "start_rss": events[0]["rss"], "peak": peak}
+    summary = {"model": args.model, "n": args.n, "dtype": args.dtype, "without": list(args.without)}
+    summary.update(start_rss=events[0]["rss"], peak=peak, prefill_s=round(seconds, 3))
     summary.update(reached_at=at["tag"], at_peak={k: at[k] for k in ("rss", "arena", "mmap", "live", "free")})
     print(json.dumps(summary))
     for event in events:

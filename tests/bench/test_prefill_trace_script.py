@@ -46,3 +46,25 @@ def test_chunk_ab_refuses_unknown_ways():
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode != 0
     assert "--ways: expected at_end, fold or both, got 'at_end,other'" in proc.stderr
+
+
+def test_prefill_trace_refuses_unknown_ablations():
+    cmd = [sys.executable, str(BENCHMARKS / "prefill_trace.py"), "plain", "--without", "chunk_release,other"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "expected names among chunk_release, prompt_room, got 'chunk_release,other'" in proc.stderr
+
+
+def test_prefill_trace_takes_back_what_it_is_told(load_benchmark, monkeypatch):
+    from oal.models import prefill, state_cache
+
+    trace = load_benchmark("prefill_trace")
+    monkeypatch.setattr(prefill, "_forward", prefill._forward)
+    monkeypatch.setattr(state_cache, "context_end", state_cache.context_end)
+    calls = []
+    monkeypatch.setattr(prefill, "_forward", lambda *a, release=False, **k: calls.append(release))
+    trace.take_back(("chunk_release", "prompt_room"))
+    prefill._forward(None, None, None, {}, release=True)
+    assert calls == [False]
+    with state_cache.kept_form.prompt_end(100):
+        assert state_cache.context_end(10) == 10

@@ -277,8 +277,8 @@ def test_int8_exact_cache_decodes_as_one_pass_and_round_trips(make_model, kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_budget_generates_alike_fused_and_torch_and_round_trips(make_model, dtype, spy_fast_path, tmp_path):
     """set_exact_decode_budget: generate() past the budget gives the same tokens through the fused step as through
-    the torch path (fp32; a bf16 model through its own path), differs from the full exact heads' logits (pages
-    were left out), and the budget survives save / load."""
+    the torch path (fp32; a bf16 model through its own path, where only a near tie may flip a token), differs from
+    the full exact heads' logits (pages were left out), and the budget survives save / load."""
     import oal.models.hooks as hooks
     from oal.conversion.heads import set_exact_decode_budget
 
@@ -297,9 +297,20 @@ def test_decode_budget_generates_alike_fused_and_torch_and_round_trips(make_mode
             plain = model.generate(ids, **kw)
     if dtype == torch.float32:  # 11 one-token steps through 2 converted layers, every one fused
         assert n_fused == 22 and all(calls[:n_fused])
-    assert torch.equal(fused.sequences, plain.sequences)
-    got, want = torch.stack(fused.logits, 1), torch.stack(plain.logits, 1)
-    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-4 if dtype == torch.float32 else 5e-2)
+    got, want = torch.stack(fused.logits, 1).float(), torch.stack(plain.logits, 1).float()
+    atol = 2e-4 if dtype == torch.float32 else 5e-2
+    differ = (fused.sequences != plain.sequences)[:, ids.shape[1] :]
+    steps = differ.any(0).nonzero()
+    first = int(steps[0]) if len(steps) else differ.shape[1]
+    if first < differ.shape[1]:
+        # in bf16 a greedy token may flip only at a near tie of the reference (its two best logits a rounding apart:
+        # the fused step's and torch's bf16 roundings differ by an ulp, e.g. on AVX2 against AVX-512); after it the
+        # rows see different tokens
+        assert dtype == torch.bfloat16, f"fp32: the fused and torch paths chose different tokens at step {first}"
+        best = want[:, first].topk(2, -1).values
+        gap = (best[:, 0] - best[:, 1])[differ[:, first]]
+        assert (gap <= atol).all(), f"step {first}: a token flipped where the reference's margin was {gap.tolist()}"
+    torch.testing.assert_close(got[:, : first + 1], want[:, : first + 1], rtol=0, atol=atol)
     loaded = load_converted(save_converted(model, tmp_path / "m", tokenizer=byte_tokenizer()))
     assert [(k.decode_budget, k.decode_page) for k in attached_kernels(loaded).values()] == [(32, 8), (32, 8)]
     set_exact_decode_budget(model, None)

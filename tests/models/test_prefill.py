@@ -236,6 +236,42 @@ def test_chunks_below_the_crossover_keep_keys_and_values(make_model, kind, monke
         torch.testing.assert_close(g, w, rtol=0, atol=5e-5)
 
 
+@pytest.mark.parametrize("kind", ["oal", "oal_exact_heads"])
+def test_softmax_layers_take_room_for_the_whole_prompt_at_its_first_chunk(make_model, monkeypatch, kind):
+    """The softmax layers' buffers (ExactKVLayer) of a prompt in chunks are allocated once, at the first chunk, for
+    the whole prompt plus the layer's spare slots, and the later chunks write into them (a buffer per chunk left
+    holes amid the freed activations); the decode steps after it grow them as before."""
+    from oal.models.state_cache import ExactKVLayer
+
+    model = model_of(make_model, kind)
+    ids = prompt(2, 150)  # chunks of 64, 64, 22
+    pointers: dict[int, set[int]] = {}
+    update = ExactKVLayer.update
+
+    def spy(self, k, v, *args, **kwargs):
+        out = update(self, k, v, *args, **kwargs)
+        pointers.setdefault(self.layer_idx, set()).add(self._kbuf.data_ptr())
+        return out
+
+    monkeypatch.setattr(ExactKVLayer, "update", spy)
+    (want, *want_steps), _ = run(model, ids, 0, steps=GROWTH + 1)
+    pointers.clear()
+    model.config.oal_prefill_chunk = 64
+    cache = KernelCache(model)
+    with torch.no_grad():
+        got = model(input_ids=ids, cache=cache).logits
+    softmax = [i for i, e in enumerate(cache.layers) if isinstance(e, ExactKVLayer)]
+    assert softmax and sorted(pointers) == softmax
+    for i in softmax:
+        entry = cache.layers[i]
+        assert len(pointers[i]) == 1, f"layer {i}: {len(pointers[i])} buffers for one prompt"
+        assert 150 <= entry._kbuf.shape[2] < 150 + GROWTH and entry.get_seq_length() == 150
+    torch.testing.assert_close(got, want, rtol=0, atol=5e-5)
+    (_, *got_steps), _ = run(model, ids, 64, steps=GROWTH + 1)  # the steps after it outgrow the spare slots
+    for g, w in zip(got_steps, want_steps, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=5e-5)
+
+
 def test_a_prompt_that_outgrows_the_kept_form_builds_the_state_from_the_first_chunk(make_model, monkeypatch):
     import oal.kernels.kept as kept
 
@@ -266,7 +302,7 @@ def release_calls(model, monkeypatch) -> list[str]:
 
 
 @pytest.mark.parametrize("chunk", [0, 64])
-def test_a_prompt_releases_the_freed_heap_once_before_the_output_layer(make_model, monkeypatch, chunk):
+def test_a_prompt_releases_the_freed_heap_before_each_later_chunk_and_the_output_layer(make_model, monkeypatch, chunk):
     import oal.kernels.kept as kept
 
     model = model_of(make_model, "sink_window_exact_heads")
@@ -280,11 +316,15 @@ def test_a_prompt_releases_the_freed_heap_once_before_the_output_layer(make_mode
     take = kept.take_regrown
     monkeypatch.setattr(kept, "take_regrown", lambda: grew.append(take()) or grew[-1])
     (got, *got_steps), _ = run(model, ids, chunk, steps=steps, logits_to_keep=1)
-    # before the prompt's output layer; then after each decode step that grew a buffer, and only after those (the
-    # layers' spare slots after the prompt differ, so they grow at different steps)
+    # before each chunk after the first and before the prompt's output layer; then after each decode step that grew
+    # a buffer, and only after those (the layers' spare slots after the prompt differ, so they grow at different
+    # steps)
     by_step = grew[1:]  # the first is the prompt's (cleared, its release came before the output layer)
     assert len(by_step) == steps and any(by_step) and not all(by_step)
-    assert events == ["release", "head"] + [e for g in by_step for e in ["head", "release"][: 1 + g]]
+    prompt_releases = 3 if chunk else 1
+    assert events == ["release"] * prompt_releases + ["head"] + [
+        e for g in by_step for e in ["head", "release"][: 1 + g]
+    ]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for g, w in zip(got_steps, want_steps, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -34,7 +34,7 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..kernels import kept as kept_form
-from ..kernels.base import model_layer, spare_slots
+from ..kernels.base import context_end, model_layer, spare_slots
 from ..kernels.decode import GROWTH
 
 __all__ = [
@@ -219,8 +219,9 @@ class ExactKVLayer(DynamicLayer):
     :attr:`values` are the views of its first :meth:`get_seq_length` slots, so every ``DynamicLayer`` method
     (crop, reorder, batch selection, masks) keeps its meaning; a method that replaces the views by other tensors
     (beam reordering) simply makes the next update start a new buffer. A prompt into an empty entry fills a buffer
-    of its size plus the layer's :func:`~oal.kernels.base.spare_slots` (``layer_idx``: at most 63, so that the
-    layers' buffers fill up at different steps); later the buffer is grown by ``GROWTH`` (64) spare slots when
+    of its size (of the whole prompt's for the first of a prompt in chunks: :func:`~oal.kernels.base.prompt_end`)
+    plus the layer's :func:`~oal.kernels.base.spare_slots` (``layer_idx``: at most 63, so that the layers' buffers
+    fill up at different steps); later the buffer is grown by ``GROWTH`` (64) spare slots when
     full (one copy per GROWTH tokens). :meth:`buffers` hands the buffers to the fused one-token softmax
     step (:func:`oal.kernels.decode.softmax_decode_step`), which reads every key once for all query heads of its
     KV head.
@@ -266,8 +267,12 @@ class ExactKVLayer(DynamicLayer):
                 spare = GROWTH if used else spare_slots(GROWTH)
             if used:
                 kept_form.note_regrown()
-            kbuf = key_states.new_empty(*key_states.shape[:2], used + n + spare, key_states.shape[3])
-            vbuf = value_states.new_empty(*value_states.shape[:2], used + n + spare, value_states.shape[3])
+            # a prompt in chunks (oal.models.prefill) gets room for all of it at its first chunk: regrown at every
+            # chunk, each layer's new buffer landed amid the freed activations of the chunk before, and the next
+            # MLP's took fresh memory (SmolLM2's 1k fp32 prompt: +30 MB of arena in its second chunk's first layers)
+            capacity = context_end(used + n) + spare
+            kbuf = key_states.new_empty(*key_states.shape[:2], capacity, key_states.shape[3])
+            vbuf = value_states.new_empty(*value_states.shape[:2], capacity, value_states.shape[3])
             if used:
                 kbuf[:, :, :used] = self.keys
                 vbuf[:, :, :used] = self.values
