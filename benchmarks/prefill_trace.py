@@ -6,7 +6,9 @@ does (default chunks unless ``--chunk``). Prints a summary line, then one line p
 
 ``--without`` takes back what stop 47 added to a prompt in chunks, to measure it: ``chunk_release`` (the freed heap
 returned before every chunk after the first, :mod:`oal.models.prefill`), ``prompt_room`` (the softmax layers'
-buffers sized for the whole prompt at its first chunk, :class:`oal.models.state_cache.ExactKVLayer`).
+buffers sized for the whole prompt at its first chunk, :class:`oal.models.state_cache.ExactKVLayer`),
+``softmax_chunk`` (the softmax layers' later chunks without a mask, :mod:`oal.ops.softmax`: SDPA with
+transformers' mask instead).
 
     python benchmarks/prefill_trace.py recipe --n 1024 --dtype bf16 > trace_recipe.jsonl
     python benchmarks/prefill_trace.py plain --n 1024 --dtype fp32 --without chunk_release,prompt_room
@@ -47,7 +49,7 @@ def snapshot(tag: str) -> dict[str, object]:
     return {"tag": tag, "rss": round(now["VmRSS"], 1), "hwm": round(now["VmHWM"], 1), **mb}
 
 
-ABLATIONS = ("chunk_release", "prompt_room")
+ABLATIONS = ("chunk_release", "prompt_room", "softmax_chunk")
 
 
 def ablations(text: str) -> tuple[str, ...]:
@@ -61,13 +63,15 @@ def ablations(text: str) -> tuple[str, ...]:
 
 def take_back(names: tuple[str, ...]) -> None:
     """Undo stop 47's additions named in ``names`` in this process (see the module docstring)."""
-    from oal.models import prefill, state_cache
+    from oal.models import hooks, prefill, state_cache
 
     if "chunk_release" in names:
         forward = prefill._forward
         prefill._forward = lambda *args, release=False, **kwargs: forward(*args, **kwargs)
     if "prompt_room" in names:
         state_cache.context_end = lambda end: end
+    if "softmax_chunk" in names:
+        hooks._softmax_chunk = lambda *args: None
 
 
 def main() -> None:

@@ -52,19 +52,21 @@ def test_prefill_trace_refuses_unknown_ablations():
     cmd = [sys.executable, str(BENCHMARKS / "prefill_trace.py"), "plain", "--without", "chunk_release,other"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode != 0
-    assert "expected names among chunk_release, prompt_room, got 'chunk_release,other'" in proc.stderr
+    assert "expected names among chunk_release, prompt_room, softmax_chunk, got 'chunk_release,other'" in proc.stderr
 
 
 def test_prefill_trace_takes_back_what_it_is_told(load_benchmark, monkeypatch):
-    from oal.models import prefill, state_cache
+    from oal.models import hooks, prefill, state_cache
 
     trace = load_benchmark("prefill_trace")
-    monkeypatch.setattr(prefill, "_forward", prefill._forward)
     monkeypatch.setattr(state_cache, "context_end", state_cache.context_end)
+    monkeypatch.setattr(hooks, "_softmax_chunk", hooks._softmax_chunk)
     calls = []
     monkeypatch.setattr(prefill, "_forward", lambda *a, release=False, **k: calls.append(release))
-    trace.take_back(("chunk_release", "prompt_room"))
+    trace.take_back(("chunk_release", "prompt_room", "softmax_chunk"))
     prefill._forward(None, None, None, {}, release=True)
     assert calls == [False]
     with state_cache.kept_form.prompt_end(100):
         assert state_cache.context_end(10) == 10
+    q = torch.zeros(1, 2, 4, 8)
+    assert hooks._softmax_chunk(q, torch.zeros(1, 2, 9, 8), torch.zeros(1, 2, 9, 8), None, 0.0, None, {}) is None

@@ -272,6 +272,33 @@ def test_softmax_layers_take_room_for_the_whole_prompt_at_its_first_chunk(make_m
         torch.testing.assert_close(g, w, rtol=0, atol=5e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_layers_of_a_later_chunk_take_the_mask_free_path(make_model, monkeypatch, dtype):
+    """The softmax layers' attention of every chunk after the first goes through oal.ops.softmax (no mask), not
+    SDPA with transformers' mask; the logits equal one call's, and a padded batch keeps SDPA."""
+    import oal.models.hooks as hooks
+
+    model = model_of(make_model, "oal").to(dtype)
+    ids = prompt(2, 150)  # chunks of 64, 64, 22; layer 0 is softmax
+    want, _ = run(model, ids, 0, steps=0)
+    chunks, sdpa = [], []
+    at_end, forward = hooks.softmax_at_end, hooks.sdpa_attention_forward
+    monkeypatch.setattr(hooks, "softmax_at_end", lambda q, *a: chunks.append(q.shape[2]) or at_end(q, *a))
+    monkeypatch.setattr(
+        hooks, "sdpa_attention_forward", lambda m, q, *a, **k: sdpa.append(q.shape[2]) or forward(m, q, *a, **k)
+    )
+    got, _ = run(model, ids, 64, steps=0)
+    assert chunks == [64, 22] and sdpa == [64]  # the first chunk: one causal SDPA call without keys before it
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=5e-5 if dtype == torch.float32 else 5e-2)
+    chunks.clear()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding: not plain causal
+    model.config.oal_prefill_chunk = 64
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, cache=KernelCache(model))
+    assert chunks == []
+
+
 def test_a_prompt_that_outgrows_the_kept_form_builds_the_state_from_the_first_chunk(make_model, monkeypatch):
     import oal.kernels.kept as kept
 

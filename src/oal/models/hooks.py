@@ -48,6 +48,7 @@ from ..kernels import kept as kept_form
 from ..kernels.base import AttentionKernel, SoftmaxKernel, model_layer
 from ..kernels.decode import decode_step, prepare_decode, softmax_decode_step
 from ..ops.quadratic import cpu as cpu_kernels
+from ..ops.softmax import softmax_at_end
 from .architecture import attention_spec, check_layer, get_attention_modules
 from .state_cache import KernelStateLayer, RowStates, exact_kv_layer, kernel_state_layer
 
@@ -220,6 +221,8 @@ def _kernel_attention(
         # exact softmax keeps keys and values: the fused step, else transformers' own SDPA call with the kernel's scale
         out = _softmax_decode(module, query, key, value, valid is None, kernel.scale)
         if out is None:
+            out = _softmax_chunk(query, key, value, attention_mask, dropout, kernel.scale, kwargs)
+        if out is None:
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=kernel.scale, **kwargs)
         return out
     if key.shape[2] != n:
@@ -354,6 +357,27 @@ def _softmax_decode(
     return None if out is None else out.to(value.dtype).transpose(1, 2)
 
 
+def _softmax_chunk(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scale: float | None,
+    kwargs: dict,
+) -> torch.Tensor | None:
+    """A softmax layer's several queries after cached keys under plain causal attention (a prompt's later chunk):
+    ``(B, N, Hq, dv)`` as SDPA's output, from :func:`oal.ops.softmax.softmax_at_end` without the mask transformers
+    built; None otherwise (the caller runs SDPA with the mask)."""
+    n, past = query.shape[2], key.shape[2] - query.shape[2]
+    if n < 2 or past <= 0 or dropout or any(kwargs.get(name) is not None for name in _SOFTMAX_KWARGS):
+        return None
+    if not _plain_causal(attention_mask, n, past):
+        return None
+    out = softmax_at_end(query, key, value, scale)
+    return None if out is None else out.to(value.dtype).transpose(1, 2).contiguous()
+
+
 def _plain_causal(attention_mask: torch.Tensor | None, n: int, past: int) -> bool:
     """Whether ``attention_mask`` is plain causal attention of ``n`` queries over ``past + n`` keys (or None)."""
     try:
@@ -387,6 +411,8 @@ def oal_attention_forward(
         out = _softmax_decode(
             module, query, key, value, True, float(scaling if scaling is not None else module.scaling)
         )
+    if kernel is None and out is None:
+        out = _softmax_chunk(query, key, value, attention_mask, dropout, scaling, kwargs)
     if kernel is None and out is None:
         out, weights = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
