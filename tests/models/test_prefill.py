@@ -128,16 +128,39 @@ def test_a_fresh_cache_is_created_as_the_model_would(make_model, monkeypatch):
     torch.testing.assert_close(out.logits, want, rtol=0, atol=5e-5)
 
 
-def test_a_prompt_of_two_chunks_runs_in_two(make_model, monkeypatch):
-    """No chunk costs a fold any more (oal.kernels.kept.extend), so a prompt of two chunks is not run in one call."""
-    model = model_of(make_model, "sink_window_exact_heads")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_of_two_chunks(make_model, monkeypatch, dtype):
+    """An fp32 model runs a prompt of ONE_CALL_CHUNKS chunks in one call, every layer's MLP in pieces of a chunk's
+    rows (restored after the call); a bf16 model in chunks. Both give one call's logits."""
+    assert prefill.ONE_CALL_CHUNKS == 2
+    model = model_of(make_model, "sink_window_exact_heads").to(dtype)
     ids = prompt(1, 32)
     want, _ = run(model, ids, 0, steps=2)
-    calls = base_calls(model, monkeypatch)
+    calls, pieces = base_calls(model, monkeypatch), []
+    in_pieces = prefill._in_pieces
+    monkeypatch.setattr(prefill, "_in_pieces", lambda f, rows, x: pieces.append(x.shape[-2]) or in_pieces(f, rows, x))
     got, _ = run(model, ids, 16, steps=2)
-    assert calls[:2] == [16, 16]
+    layers = len(model.base_model.layers)
+    if dtype == torch.float32:  # the decode steps after it run the MLPs as they are
+        assert calls[:2] == [32, 1] and pieces == [32] * layers
+    else:
+        assert calls[:2] == [16, 16] and not pieces
+    assert not any("forward" in vars(layer.mlp) for layer in model.base_model.layers)
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=0, atol=5e-5)
+        torch.testing.assert_close(g, w, rtol=0, atol=5e-5 if dtype == torch.float32 else 5e-2)
+
+
+def test_mlp_in_pieces_gives_the_rows_of_one_call(make_model):
+    model = model_of(make_model, "oal")
+    mlp = model.base_model.layers[0].mlp
+    x = torch.randn(2, 37, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = mlp(x)
+        with prefill.mlp_in_pieces(model, 8):
+            assert "forward" in vars(mlp)
+            got = mlp(x)
+    assert "forward" not in vars(mlp)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize(
