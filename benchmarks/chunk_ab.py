@@ -5,7 +5,8 @@ without them, forced here), against the original model's one call. Per prompt le
 call; ``default``: the model's own choice, :func:`oal.models.prefill.prefill_chunk`; ``--converted plain``: plain
 OAL on layers 3–26 instead of the committed recipe): the prefill seconds of each
 way, round after round (alternating), and the largest |difference| of the last logits from the converted model's
-one call.
+one call. Since stop 47 an fp32 model runs a prompt of at most ``ONE_CALL_CHUNKS`` chunks in one call with its MLPs
+in pieces (:mod:`oal.models.prefill`), so there both ways time that one call.
 
     python benchmarks/chunk_ab.py --sizes 1024 --chunks 256 --dtype bf16 --repeats 3
     python benchmarks/chunk_ab.py --sizes 1536,2048 --chunks default --dtype bf16 --repeats 3

@@ -34,8 +34,8 @@ operating system (glibc's ``malloc_trim(0)``: one call per prompt, 4 ms at 1k to
 never call it; a no-op without glibc), and so it is before every chunk after the first of a prompt in chunks: a
 later chunk's transients do not all fit in the holes its predecessor's left between the blocks that stay (the
 cache's), so its first layers take fresh memory while the freed blocks stay resident (SmolLM2's 1k fp32 prompt:
-+23–30 MB of arena in its second chunk's first three layers; without the release 3 of 7 traces peaked there, 5–7 MB
-above the prompt's end, with it none of 9, stop 47).
++23–30 MB of arena in its second chunk's first three layers; without the release 3 of 7 traces peaked in that chunk
+(5.6 and 6.0 MB above the prompt's end in the two whose end was kept), with it none of 9, stop 47).
 ``config.oal_release_prompt_heap = False`` turns both off. transformers' own
 models do not do this; :func:`heap_released_before_output` applies the same to any model, e.g. as the control of a
 benchmark. Buffers the decode steps allocate afterwards take memory from the system again (docs/models.md); a

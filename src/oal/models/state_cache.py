@@ -268,8 +268,8 @@ class ExactKVLayer(DynamicLayer):
             if used:
                 kept_form.note_regrown()
             # a prompt in chunks (oal.models.prefill) gets room for all of it at its first chunk: regrown at every
-            # chunk, each layer's new buffer landed amid the freed activations of the chunk before, and the next
-            # MLP's took fresh memory (SmolLM2's 1k fp32 prompt: +30 MB of arena in its second chunk's first layers)
+            # chunk, each softmax layer copied its keys and values once a chunk and left the smaller buffer behind
+            # amid the chunk's freed activations
             capacity = context_end(used + n) + spare
             kbuf = key_states.new_empty(*key_states.shape[:2], capacity, key_states.shape[3])
             vbuf = value_states.new_empty(*value_states.shape[:2], capacity, value_states.shape[3])

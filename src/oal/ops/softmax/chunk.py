@@ -19,8 +19,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None):
     """torch's CPU flash kernel: ``(o (B, H, L, dv), log-sum-exp (B, H, L) fp32)``."""
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return o, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
 def softmax_at_end(
