@@ -8,7 +8,9 @@ does (default chunks unless ``--chunk``). Prints a summary line, then one line p
 returned before every chunk after the first, :mod:`oal.models.prefill`), ``prompt_room`` (the softmax layers'
 buffers sized for the whole prompt at its first chunk, :class:`oal.models.state_cache.ExactKVLayer`),
 ``softmax_chunk`` (the softmax layers' later chunks without a mask, :mod:`oal.ops.softmax`: SDPA with
-transformers' mask instead).
+transformers' mask instead); and what stop 48 added: ``exact_chunk`` (the exact heads' later chunks without a mask
+where the fused prompt kernel does not run them, on AMX tiles, which ``OAL_CPU_AMX=1`` forces, or without the fused
+kernels: SDPA with its own mask instead).
 
     python benchmarks/prefill_trace.py recipe --n 1024 --dtype bf16 > trace_recipe.jsonl
     python benchmarks/prefill_trace.py plain --n 1024 --dtype fp32 --without chunk_release,prompt_room
@@ -49,7 +51,7 @@ def snapshot(tag: str) -> dict[str, object]:
     return {"tag": tag, "rss": round(now["VmRSS"], 1), "hwm": round(now["VmHWM"], 1), **mb}
 
 
-ABLATIONS = ("chunk_release", "prompt_room", "softmax_chunk")
+ABLATIONS = ("chunk_release", "prompt_room", "softmax_chunk", "exact_chunk")
 
 
 def ablations(text: str) -> tuple[str, ...]:
@@ -62,7 +64,8 @@ def ablations(text: str) -> tuple[str, ...]:
 
 
 def take_back(names: tuple[str, ...]) -> None:
-    """Undo stop 47's additions named in ``names`` in this process (see the module docstring)."""
+    """Undo stop 47's and 48's additions named in ``names`` in this process (see the module docstring)."""
+    from oal.kernels import hybrid
     from oal.models import hooks, prefill, state_cache
 
     if "chunk_release" in names:
@@ -72,6 +75,8 @@ def take_back(names: tuple[str, ...]) -> None:
         state_cache.context_end = lambda end: end
     if "softmax_chunk" in names:
         hooks._softmax_chunk = lambda *args: None
+    if "exact_chunk" in names:
+        hybrid.softmax_at_end = lambda *args: None
 
 
 def main() -> None:

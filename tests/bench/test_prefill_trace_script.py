@@ -52,21 +52,27 @@ def test_prefill_trace_refuses_unknown_ablations():
     cmd = [sys.executable, str(BENCHMARKS / "prefill_trace.py"), "plain", "--without", "chunk_release,other"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode != 0
-    assert "expected names among chunk_release, prompt_room, softmax_chunk, got 'chunk_release,other'" in proc.stderr
+    assert (
+        "expected names among chunk_release, prompt_room, softmax_chunk, exact_chunk, got 'chunk_release,other'"
+        in proc.stderr
+    )
 
 
 def test_prefill_trace_takes_back_what_it_is_told(load_benchmark, monkeypatch):
+    from oal.kernels import hybrid
     from oal.models import hooks, prefill, state_cache
 
     trace = load_benchmark("prefill_trace")
     monkeypatch.setattr(state_cache, "context_end", state_cache.context_end)
     monkeypatch.setattr(hooks, "_softmax_chunk", hooks._softmax_chunk)
+    monkeypatch.setattr(hybrid, "softmax_at_end", hybrid.softmax_at_end)
     calls = []
     monkeypatch.setattr(prefill, "_forward", lambda *a, release=False, **k: calls.append(release))
-    trace.take_back(("chunk_release", "prompt_room", "softmax_chunk"))
+    trace.take_back(("chunk_release", "prompt_room", "softmax_chunk", "exact_chunk"))
     prefill._forward(None, None, None, {}, release=True)
     assert calls == [False]
     with state_cache.kept_form.prompt_end(100):
         assert state_cache.context_end(10) == 10
     q = torch.zeros(1, 2, 4, 8)
     assert hooks._softmax_chunk(q, torch.zeros(1, 2, 9, 8), torch.zeros(1, 2, 9, 8), None, 0.0, None, {}) is None
+    assert hybrid.softmax_at_end(q, torch.zeros(1, 2, 9, 8), torch.zeros(1, 2, 9, 8), 1.0) is None

@@ -299,6 +299,46 @@ def test_bf16_products_in_a_bf16_model_are_sdpa():
     assert float((o[:, exact_q].float() - ref).abs().max()) <= bound
 
 
+@pytest.mark.parametrize("exact", [[1], [0, 2]])
+def test_bf16_queries_after_a_cached_past_take_the_mask_free_softmax(exact, monkeypatch):
+    """A kernel in bf16 called directly after a cached past (a prompt's later chunk off the fused prompt kernel,
+    which takes fp32 queries only): the exact heads take oal.ops.softmax.softmax_at_end instead of SDPA with a
+    (N, past + N) mask, with the one call's outputs up to bf16 rounding; under autograd the masked SDPA stays (and
+    agrees)."""
+    import oal.kernels.hybrid as hybrid
+    from oal.ops.softmax import naive_softmax_at_end
+
+    calls = []
+
+    def spy(q, *args):
+        out = hybrid_softmax_at_end(q, *args)
+        if out is not None:
+            calls.append(q.shape[2])
+        return out
+
+    hybrid_softmax_at_end = hybrid.softmax_at_end
+    monkeypatch.setattr(hybrid, "softmax_at_end", spy)
+    inner = make_inner("sink_window", 6, 3, 64, dtype=torch.bfloat16)
+    m = ExactHeadsKernel(inner, exact, kv_dtype=torch.bfloat16, product_dtype=torch.bfloat16)
+    q, k, v = (x.bfloat16() for x in make_qkv(1, 6, 3, 301, 64))
+    exact_q = group_q(exact, 2)
+    with torch.no_grad():
+        whole, _ = m(q, k, v)
+        with prompt_end(301):
+            first, state = m(q[:, :, :170], k[:, :, :170], v[:, :, :170], output_final_state=True)
+            second, _ = m(q[:, :, 170:], k[:, :, 170:], v[:, :, 170:], initial_state=state)
+    assert calls == [131]  # the one call and the first chunk are causal squares: SDPA without a mask
+    ref = naive_softmax_at_end(q[:, exact_q, 170:].double(), k[:, exact].double(), v[:, exact].double(), m.scale)
+    bound = 2**-7 * float(v.float().abs().max())
+    assert float((second[:, exact_q].double() - ref).abs().max()) <= bound
+    assert float((second[:, exact_q].float() - whole[:, exact_q, 170:].float()).abs().max()) <= bound
+    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    _, state = m(qg[:, :, :170], kg[:, :, :170], vg[:, :, :170], output_final_state=True)
+    trained, _ = m(qg[:, :, 170:], kg[:, :, 170:], vg[:, :, 170:], initial_state=state)
+    assert calls == [131]  # autograd: SDPA with the mask
+    assert float((trained[:, exact_q].detach().double() - ref).abs().max()) <= bound
+
+
 def test_quantize_int8_per_vector_absmax():
     """One scale per vector (absmax / 127), rounding half to even, every number within half a step; a zero vector
     stays zero; bf16 inputs quantise as their fp32 values."""

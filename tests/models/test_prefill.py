@@ -322,6 +322,31 @@ def test_softmax_layers_of_a_later_chunk_take_the_mask_free_path(make_model, mon
     assert chunks == []
 
 
+@pytest.mark.parametrize("way", ["tiles", "no_fused_kernel"])
+def test_exact_heads_off_the_fused_kernel_take_the_mask_free_path_in_later_chunks(make_model, monkeypatch, way):
+    """Exact heads that the fused prompt kernel does not run (on AMX tiles: torch's bf16 SDPA, forced here as it
+    runs on any CPU; or without the fused kernels): every chunk after the first goes through oal.ops.softmax, not
+    SDPA with a mask; the logits equal one call's."""
+    import oal.kernels.hybrid as hybrid
+    from oal.ops.quadratic import cpu as cpu_kernels
+
+    model = convert_tiny(make_model("llama", num_heads=6, num_kv_heads=2), window=5)
+    if way == "tiles":
+        add_exact_heads(model, {1: [1], 2: [0]}, kv_dtype=torch.bfloat16, product_dtype=torch.bfloat16)
+        monkeypatch.setattr(cpu_kernels, "amx_bf16", lambda: True)
+    else:
+        add_exact_heads(model, {1: [1], 2: [0]})
+        monkeypatch.setattr(cpu_kernels, "_enabled", [False])
+    ids = prompt(1, 150)
+    want, _ = run(model, ids, 0, steps=0)
+    chunks = []
+    at_end = hybrid.softmax_at_end
+    monkeypatch.setattr(hybrid, "softmax_at_end", lambda q, *a: chunks.append(q.shape[2]) or at_end(q, *a))
+    got, _ = run(model, ids, 64, steps=0)
+    assert chunks == [64, 64, 22, 22]  # chunks 2 and 3 in the two layers with exact heads (1 and 2)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=2e-2 if way == "tiles" else 5e-5)
+
+
 def test_a_prompt_that_outgrows_the_kept_form_builds_the_state_from_the_first_chunk(make_model, monkeypatch):
     import oal.kernels.kept as kept
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..ops import page_select
 from ..ops.quadratic import cpu as cpu_kernels
+from ..ops.softmax import softmax_at_end
 from .base import (
     GROWTH,
     AttentionKernel,
@@ -248,11 +249,17 @@ def _tiles_faster(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor:
-    """SDPA of the N new queries ``q (B, Eg, N, d)`` over ``past`` cached + N new keys, causal (GQA as needed)."""
+    """SDPA of the N new queries ``q (B, Eg, N, d)`` over ``past`` cached + N new keys, causal (GQA as needed). A
+    prompt's later chunk on CPU without autograd takes :func:`oal.ops.softmax.softmax_at_end` (the same flash
+    kernel, without the ``(N, past + N)`` mask and SDPA's copy of it in q's dtype: 3 N (past + N) bytes in bf16, 24 MB
+    per exact layer for the last 1k chunk of an 8k prompt)."""
     n = q.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if past == 0 or n == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=past == 0, scale=scale, enable_gqa=gqa)
+    out = softmax_at_end(q, k, v, scale)
+    if out is not None:
+        return out
     keys = torch.arange(past + n, device=q.device)
     mask = keys[None, :] <= (past + torch.arange(n, device=q.device))[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
