@@ -38,16 +38,20 @@ def build(name: str, dtype: str) -> torch.nn.Module:
     return load_model(name, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def pair_arguments(ap: argparse.ArgumentParser, together: str) -> None:
+    """The arguments this script shares with ``prefill_ab.py``: the two models, ``--n``, ``--threads``, ``--dtype``,
+    ``--batch`` (equal-length prompts ``together``) and ``--seed``."""
     ap.add_argument("models", nargs=2, help="two models: converted model directories, base model names or plain")
     ap.add_argument("--n", default="8192", help="prompt tokens, comma-separated for several contexts")
-    ap.add_argument("--steps", type=int, default=32, help="decode steps per model and context (the first 2 untimed)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    ap.add_argument("--batch", type=int, default=1, help="equal-length prompts decoded together")
+    ap.add_argument("--batch", type=int, default=1, help=f"equal-length prompts {together}")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+
+
+def checked_sizes(args: argparse.Namespace) -> list[int]:
+    """``--n``'s comma-separated prompt lengths; SystemExit unless all are positive integers and ``--batch`` is
+    positive."""
     try:
         sizes = [int(s) for s in args.n.split(",")]
     except ValueError:
@@ -56,6 +60,15 @@ def main() -> None:
         raise SystemExit(f"--n: expected positive prompt lengths, got {args.n!r}")
     if args.batch < 1:
         raise SystemExit(f"--batch: expected a positive batch size, got {args.batch}")
+    return sizes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    pair_arguments(ap, "decoded together")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per model and context (the first 2 untimed)")
+    args = ap.parse_args()
+    sizes = checked_sizes(args)
     torch.set_num_threads(args.threads)
     models = {name: build(name, args.dtype).eval() for name in args.models}
     pairs = [(name, n) for n in sizes for name in args.models]

@@ -25,17 +25,6 @@ import time
 import torch
 
 
-def parse_sizes(text: str) -> list[int]:
-    """``--n``'s comma-separated prompt lengths; SystemExit unless all are positive integers."""
-    try:
-        sizes = [int(s) for s in text.split(",")]
-    except ValueError:
-        sizes = [0]
-    if min(sizes) < 1:
-        raise SystemExit(f"--n: expected positive prompt lengths, got {text!r}")
-    return sizes
-
-
 def summarize(times: dict[tuple[str, int], list[float]], models: list[str], sizes: list[int]) -> list[dict]:
     """The summary lines of ``times[(model, n)]`` (seconds, one per round, in round order): per (model, context)
     the median and min, then per context the ``ratio`` of the first model's median over the second's and of each
@@ -60,28 +49,20 @@ def summarize(times: dict[tuple[str, int], list[float]], models: list[str], size
 
 
 def main() -> None:
+    from decode_ab import build, checked_sizes, pair_arguments  # the same models and arguments (run from benchmarks/)
+
     ap = argparse.ArgumentParser()
-    ap.add_argument("models", nargs=2, help="two models: converted model directories, base model names or plain")
-    ap.add_argument("--n", default="8192", help="prompt tokens, comma-separated for several contexts")
+    pair_arguments(ap, "prefilled together")
     ap.add_argument("--rounds", type=int, default=3, help="prefills per model and context, alternating")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    ap.add_argument("--batch", type=int, default=1, help="equal-length prompts prefilled together")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=64, help="tokens of an untimed first prefill per model (0: none)")
     args = ap.parse_args()
-    sizes = parse_sizes(args.n)
+    sizes = checked_sizes(args)
     if args.rounds < 1:
         raise SystemExit(f"--rounds: expected a positive number of rounds, got {args.rounds}")
-    if args.batch < 1:
-        raise SystemExit(f"--batch: expected a positive batch size, got {args.batch}")
     if args.models[0] == args.models[1]:
         raise SystemExit(f"models: expected two different models, got {args.models[0]!r} twice")
     if args.warmup < 0:
         raise SystemExit(f"--warmup: expected a number of tokens ≥ 0, got {args.warmup}")
-
-    from decode_ab import build  # the same model names as decode_ab.py (run from benchmarks/)
-
     from oal.models.state_cache import KernelCache
 
     torch.set_num_threads(args.threads)

@@ -24,13 +24,6 @@ def test_summary_takes_medians_and_pairs_the_rounds(load_benchmark):
     assert ratios[0]["speedup"] == 1.0 and ratios[0]["rounds"] == [1.0, 0.5, 3.0]
 
 
-def test_parse_sizes(load_benchmark):
-    ab = load_benchmark("prefill_ab")
-    assert ab.parse_sizes("1024,8192") == [1024, 8192]
-    with pytest.raises(SystemExit, match="--n: expected positive prompt lengths, got '1024,-1'"):
-        ab.parse_sizes("1024,-1")
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
