@@ -251,7 +251,7 @@ def _tiles_faster(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor:
     """SDPA of the N new queries ``q (B, Eg, N, d)`` over ``past`` cached + N new keys, causal (GQA as needed). A
     prompt's later chunk on CPU without autograd takes :func:`oal.ops.softmax.softmax_at_end` (the same flash
-    kernel, without the ``(N, past + N)`` mask and SDPA's copy of it in q's dtype: 3 N (past + N) bytes in bf16, 24 MB
+    kernel, without the ``(N, past + N)`` mask and SDPA's copy of it in q's dtype: 3 N (past + N) bytes in bf16, 24 MiB
     per exact layer for the last 1k chunk of an 8k prompt)."""
     n = q.shape[2]
     gqa = q.shape[1] != k.shape[1]
