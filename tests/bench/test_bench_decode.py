@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny import tiny_causal_lm
 
-from oal.bench.decode import DecodeConfig, markdown, run_point, run_sweep, synthetic_groups
+from oal.bench.decode import DecodeConfig, markdown, round_speedups, run_point, run_sweep, synthetic_groups
 
 
 @pytest.fixture
@@ -96,23 +96,31 @@ def test_repeated_sweep_interleaves_rounds_and_reports_medians_and_ratios(tmp_pa
                 "run_peak_rss_mb": 1000.0 + 2 * latency, "times_ms": [latency]}  # fmt: skip
 
     doc = run_sweep(DecodeConfig(), [1024, 2048], tmp_path, repeats=2, runner=fake)
-    # whole sweeps one after the other, N ascending, both models of a size side by side
-    assert order == [("original", 1024), ("converted", 1024), ("original", 2048), ("converted", 2048)] * 2
+    # whole sweeps one after the other, N ascending, both models of a size side by side, the second round's
+    # models in reverse order
+    first = [("original", 1024), ("converted", 1024), ("original", 2048), ("converted", 2048)]
+    second = [("converted", 1024), ("original", 1024), ("converted", 2048), ("original", 2048)]
+    assert order == first + second
     assert [r["round"] for r in doc["runs"]] == [0, 0, 0, 0, 1, 1, 1, 1]
     pts = {(p["method"], p["n"]): p for p in doc["points"]}
-    # original at 1024 measured 10 then 20 (median 15); converted 5 then 4; converted 2048 failed once: 1 repeat
-    assert pts[("original", 1024)]["ms_per_token"] == 15.0 and pts[("original", 1024)]["repeats"] == 2
-    assert pts[("original", 1024)]["ms_per_token_range"] == [10.0, 20.0]
-    assert pts[("converted", 1024)]["ms_per_token"] == 4.5 and pts[("converted", 1024)]["peak_rss_mb"] == 1004.5
-    assert pts[("converted", 1024)]["heap_kept_mb"] == 2.25
-    assert pts[("converted", 2048)]["ms_per_token"] == 1.0 and pts[("converted", 2048)]["repeats"] == 1
-    assert pts[("original", 2048)]["ms_per_token"] == 21.0  # 30 and 12
+    # original at 1024 measured 10 then 4 (median 7); converted 5 then 20; converted 2048 failed once: 1 repeat
+    assert pts[("original", 1024)]["ms_per_token"] == 7.0 and pts[("original", 1024)]["repeats"] == 2
+    assert pts[("original", 1024)]["ms_per_token_range"] == [4.0, 10.0]
+    assert pts[("converted", 1024)]["ms_per_token"] == 12.5 and pts[("converted", 1024)]["peak_rss_mb"] == 1012.5
+    assert pts[("converted", 1024)]["heap_kept_mb"] == 6.25
+    assert pts[("converted", 2048)]["ms_per_token"] == 12.0 and pts[("converted", 2048)]["repeats"] == 1
+    assert pts[("original", 2048)]["ms_per_token"] == 15.5  # 30 and 1
     assert "times_ms" not in pts[("original", 1024)] and "round" not in pts[("original", 1024)]
+    # each round's own ratios: 10 / 5 and 4 / 20 at 1024; at 2048 only round 1 has both (1 / 12)
+    assert round_speedups(doc["runs"]) == {
+        1024: {"prefill": pytest.approx([2.0, 0.2]), "decode": pytest.approx([2.0, 0.2])},
+        2048: {"prefill": pytest.approx([1 / 12]), "decode": pytest.approx([1 / 12])},
+    }
     md = (tmp_path / "decode.md").read_text()
-    assert md == markdown(doc) and "median over 2 rounds" in md
-    # 1.5 / 0.45 s, 15 / 4.5 ms, 1 / 4 MB, 1004.5 / 1015 MB, run peaks 1009 / 1030 (and 1002 / 1042) MB,
-    # (1004.5 - 2.25) / (1015 - 7.5) MB
-    assert "| 1024 | 3.33× | 3.33× | 0.25× | 0.990× | 0.980× | 0.995× |" in md
-    assert "| 2048 | 21.00× | 21.00× | 0.25× | 0.980× | 0.962× | 0.990× |" in md
+    assert md == markdown(doc) and "median over 2 rounds" in md and "reversed every other round" in md
+    # 0.7 / 1.25 s, 7 / 12.5 ms, 1 / 4 MB, 1012.5 / 1007 MB, run peaks 1025 / 1014 MB, (1012.5 - 6.25) / (1007 - 3.5)
+    # MB; the rounds' ratios beside the medians' where two rounds have both models (at 2048 one round has)
+    assert "| 1024 | 0.56× (0.20–2.00) | 0.56× (0.20–2.00) | 0.25× | 1.005× | 1.011× | 1.003× |" in md
+    assert "| 2048 | 1.29× | 1.29× | 0.25× | 0.997× | 0.993× | 0.998× |" in md
     with pytest.raises(ValueError, match="repeats: expected a positive integer"):
         run_sweep(DecodeConfig(), [16], tmp_path, repeats=0, runner=fake)

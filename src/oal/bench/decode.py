@@ -289,7 +289,8 @@ def run_sweep(
     runner: Callable[[str, int, DecodeConfig], dict[str, object]] = run_point_subprocess,
 ) -> dict[str, object]:
     """Measure ``methods × sizes`` (N ascending), ``repeats`` rounds of it one after the other (so that the
-    methods of a size share the machine's load swings), writing ``decode.json`` after every point and the
+    methods of a size share the machine's load swings; every other round runs them in reverse order, so that
+    neither model always runs first), writing ``decode.json`` after every point and the
     Markdown report at the end; returns the result document: ``runs`` every point measured (with its ``round``),
     ``points`` one per (method, N) — the point itself for one round, else :func:`summarize`'s medians.
     ``runner`` exists for tests."""
@@ -310,7 +311,7 @@ def run_sweep(
         "points": [],
         "runs": [],
     }
-    todo = [(r, m, n) for r in range(repeats) for n in sorted(sizes) for m in methods]
+    todo = [(r, m, n) for r in range(repeats) for n in sorted(sizes) for m in (methods[::-1] if r % 2 else methods)]
     for index, (rnd, method, n) in enumerate(todo, 1):
         point = runner(method, n, config)
         doc["runs"].append({**point, "round": rnd})
@@ -387,22 +388,47 @@ def _run_peak_ratio(original: dict, converted: dict) -> str:
     return f"{converted['run_peak_rss_mb'] / original['run_peak_rss_mb']:.3f}×"
 
 
+def round_speedups(runs: list[dict[str, object]]) -> dict[int, dict[str, list[float]]]:
+    """Per N, each round's own original / converted ratios of prefill time (``prefill``) and decode latency
+    (``decode``), in round order, over the rounds where both models' points succeeded."""
+    ok = {(r["round"], r["method"], r["n"]): r for r in runs if not r.get("error")}
+    out: dict[int, dict[str, list[float]]] = {}
+    for rnd, method, n in sorted(ok, key=lambda key: (key[2], key[0])):
+        if method != "original" or (rnd, "converted", n) not in ok:
+            continue
+        o, c = ok[rnd, "original", n], ok[rnd, "converted", n]
+        ratios = out.setdefault(n, {"prefill": [], "decode": []})
+        ratios["prefill"].append(o["prefill_s"] / c["prefill_s"])
+        ratios["decode"].append(o["ms_per_token"] / c["ms_per_token"])
+    return out
+
+
+def _speedup(median: float, rounds: list[float] | None) -> str:
+    """A speed-up of the medians, with the range of the rounds' own ones where more than one round has both."""
+    if not rounds or len(rounds) < 2:
+        return f"{median:.2f}×"
+    return f"{median:.2f}× ({min(rounds):.2f}–{max(rounds):.2f})"
+
+
 def ratio_rows(doc: dict) -> list[list[str]]:
     """Per N with both models measured: original / converted prefill time and decode latency (> 1: the converted
-    model is faster), converted / original cache, peak RSS (of the prefill; of prefill and decode) and peak RSS less
-    the kept heap (< 1: it holds less; the last, where both points measured the kept heap, is what the processes
-    held, without allocator slack)."""
+    model is faster; over repeated rounds the ratio of the medians, then the range of the rounds' own ratios),
+    converted / original cache, peak RSS (of the prefill; of prefill and decode) and peak RSS less the kept heap
+    (< 1: it holds less; the last, where both points measured the kept heap, is what the processes held, without
+    allocator slack)."""
     pts = {(p["method"], p["n"]): p for p in doc["points"] if not p.get("error")}
+    per_round = round_speedups(doc.get("runs", [])) if doc.get("repeats", 1) > 1 else {}
     rows = []
     for n in sorted({n for _, n in pts}):
         o, c = pts.get(("original", n)), pts.get(("converted", n))
         if o is None or c is None:
             continue
+        rounds = per_round.get(n, {})
         rows.append(
             [
                 str(n),
-                f"{o['prefill_s'] / c['prefill_s']:.2f}×",
-                f"{o['ms_per_token'] / c['ms_per_token']:.2f}×",
+                _speedup(o["prefill_s"] / c["prefill_s"], rounds.get("prefill")),
+                _speedup(o["ms_per_token"] / c["ms_per_token"], rounds.get("decode")),
                 f"{c['cache_mb'] / o['cache_mb']:.2f}×",
                 f"{c['peak_rss_mb'] / o['peak_rss_mb']:.3f}×",
                 _run_peak_ratio(o, c),
@@ -440,7 +466,8 @@ def markdown(doc: dict) -> str:
         lines += [
             "",
             f"Each figure is the median over {repeats} rounds (all of `methods × sizes` per round, each point in a "
-            "fresh process); every round's point is in decode.json under `runs`.",
+            "fresh process, the models' order reversed every other round); a speed-up in parentheses is the range "
+            "of the rounds' own ratios. Every round's point is in decode.json under `runs`.",
         ]
     lines += ["", "Definitions:", ""] + [f"- `{k}`: {v}" for k, v in doc["definitions"].items()]
     return "\n".join(lines) + "\n"

@@ -263,7 +263,12 @@ def bench_decode(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds before a point's process is stopped.")] = 3600.0,
     repeats: Annotated[
-        int, typer.Option("--repeats", help="Rounds of the whole sweep; the report takes each figure's median.")
+        int,
+        typer.Option(
+            "--repeats",
+            help="Rounds of the whole sweep (the models' order reversed every other round); the report takes "
+            "each figure's median and gives the rounds' own speed-ups.",
+        ),
     ] = 1,
 ) -> None:
     """Decode latency and memory against the context length, original against converted model; each point in a
