@@ -44,13 +44,34 @@ def test_run_point_in_process(tiny_dir, kernel):
         assert p["heap_kept_mb"] is None or 0 <= p["heap_kept_mb"] < p["peak_rss_mb"]
         assert p["run_peak_rss_mb"] >= p["peak_rss_mb"]  # over the prefill and the decode steps
         assert p["load_peak_rss_mb"] > 0 and isinstance(p["peak_from_prefill"], bool)
+        assert p["first_call_s"] > 0  # the untimed 64-token first prompt
     # converted layers hold a fixed-size state; the two softmax layers grow by 32 tokens of keys and values
     kv_growth = 2 * 2 * 2 * 32 * 8 * 4  # layers × (k, v) × kv heads × tokens × head_dim × fp32 bytes
     assert large["cache_mb"] - small["cache_mb"] == pytest.approx(kv_growth / 2**20)
     assert original["cache_mb"] == pytest.approx(4 * 2 * 2 * 44 * 8 * 4 / 2**20)
 
 
+def test_run_point_without_first_prompt(tiny_dir, monkeypatch):
+    import oal.models
+
+    calls = []
+    real = oal.models.KernelCache
+
+    def counted(model):  # every prompt gets a fresh cache: count the forwards through them
+        calls.append(model)
+        return real(model)
+
+    monkeypatch.setattr(oal.models, "KernelCache", counted)
+    config = DecodeConfig(model=str(tiny_dir), layers="1-2", steps=2, warmup=0, prompt_warmup=0)
+    point = run_point("converted", 20, config)
+    assert point["first_call_s"] is None and len(calls) == 1
+    point = run_point("converted", 20, DecodeConfig(model=str(tiny_dir), layers="1-2", steps=2, warmup=0))
+    assert point["first_call_s"] > 0 and len(calls) == 3  # the first prompt's cache, then the prefill's
+
+
 def test_config_validation(tmp_path):
+    with pytest.raises(ValueError, match="prompt_warmup: expected a non-negative integer"):
+        DecodeConfig(prompt_warmup=-1)
     with pytest.raises(ValueError, match="steps: expected a positive integer"):
         DecodeConfig(steps=0)
     with pytest.raises(FileNotFoundError, match="groups: no such file"):

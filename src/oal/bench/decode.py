@@ -4,8 +4,11 @@ context length, for the original model and its conversion (default: SmolLM2-135M
 Every (model, N) point runs in a fresh interpreter (``python -m oal.bench.decode --point SPEC --result PATH``):
 
 1. load the model (and convert it, or load a converted directory); ``torch.set_num_threads(threads)``;
-2. prefill N random tokens (seeded) into a fresh :class:`oal.models.KernelCache` (``logits_to_keep=1``), timed;
-3. ``warmup`` greedy decode steps, then ``steps`` timed ones, each a forward of one token on the cache
+2. an untimed first prompt of ``prompt_warmup`` random tokens into a cache thrown away (``first_call_s``: what a
+   process pays once, the kernels' libraries and the thread pool, beside a short prompt; separate processes
+   without it had the 1k prefill's ratio 10–20 % lower than the same models side by side after one);
+3. prefill N random tokens (seeded) into a fresh :class:`oal.models.KernelCache` (``logits_to_keep=1``), timed;
+4. ``warmup`` greedy decode steps, then ``steps`` timed ones, each a forward of one token on the cache
    (``time.perf_counter``, device synchronised); ``ms_per_token`` is their median.
 
 Memory: ``cache_mb`` is the bytes the cache holds after the last step (keys and values of softmax layers,
@@ -23,6 +26,7 @@ have fixed sizes.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -63,6 +67,7 @@ class DecodeConfig:
     batch: int = 1
     steps: int = 32
     warmup: int = 2
+    prompt_warmup: int = 64
     dtype: str = "fp32"
     device: str = "cpu"
     threads: int = 1
@@ -74,7 +79,7 @@ class DecodeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-        for name in ("warmup", "seed"):
+        for name in ("warmup", "prompt_warmup", "seed"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: expected a non-negative integer, got {value!r}")
@@ -141,6 +146,7 @@ def _process_peak_bytes(kind: str, device: torch.device) -> int:
 def run_point(method: str, n: int, config: DecodeConfig) -> dict[str, object]:
     """Measure one point in this process (call it in a fresh one; see the module docstring)."""
     from ..models import KernelCache
+    from ..models.prefill import release_freed_heap
     from ..models.state_cache import cache_nbytes
 
     torch.set_num_threads(config.threads)
@@ -148,6 +154,17 @@ def run_point(method: str, n: int, config: DecodeConfig) -> dict[str, object]:
     model = build_model(method, config)
     gen = torch.Generator().manual_seed(config.seed)
     ids = torch.randint(model.config.vocab_size, (config.batch, n), generator=gen).to(device.device)
+    first_call_s = None
+    if config.prompt_warmup:
+        warm = torch.randint(model.config.vocab_size, (config.batch, config.prompt_warmup), generator=gen)
+        with torch.no_grad():
+            start = time.perf_counter()
+            model(warm.to(device.device), cache=KernelCache(model), logits_to_keep=1)
+            device.synchronize()
+            first_call_s = time.perf_counter() - start
+        # what the throwaway prompt freed goes back before the peak is reset, so that it does not count
+        gc.collect()
+        release_freed_heap()
     cache = KernelCache(model)
     # the load's own peak (in bf16 transformers' cast of the fp32 weights, above any prefill's), then the peak
     # measured from the prefill's start where the high-water mark can be reset
@@ -180,6 +197,7 @@ def run_point(method: str, n: int, config: DecodeConfig) -> dict[str, object]:
         "n": n,
         "context_end": n + config.warmup + config.steps,
         "prefill_s": prefill_s,
+        "first_call_s": first_call_s,
         "ms_per_token": median * 1e3,
         "mean_ms_per_token": statistics.fmean(times) * 1e3,
         "min_ms_per_token": min(times) * 1e3,
@@ -213,7 +231,10 @@ def run_point_subprocess(method: str, n: int, config: DecodeConfig) -> dict[str,
 
 
 DEFINITIONS = {
-    "prefill_s": "wall-clock seconds of the prefill forward over N random tokens into a fresh KernelCache",
+    "prefill_s": "wall-clock seconds of the prefill forward over N random tokens into a fresh KernelCache, after "
+    "the untimed first prompt",
+    "first_call_s": "wall-clock seconds of the point's first forward, an untimed prompt of `prompt_warmup` tokens "
+    "before the prefill (null without it): a short prompt plus what a process pays once",
     "ms_per_token": "median wall-clock time of one greedy decode step (a one-token forward on the cache, device "
     "synchronised), over `steps` steps after `warmup` untimed ones",
     "tokens_per_s": "1000 / ms_per_token",
@@ -236,6 +257,7 @@ DEFINITIONS = {
 # fields of a point that the summary over repeats takes the median of
 _MEDIAN_FIELDS = (
     "prefill_s",
+    "first_call_s",
     "ms_per_token",
     "mean_ms_per_token",
     "min_ms_per_token",
@@ -450,7 +472,8 @@ def markdown(doc: dict) -> str:
         "",
         f"Model `{config['model']}`; converted: {what}. Batch {config['batch']}, {config['dtype']}, "
         f"{config['device']} ({dev.get('name', '')}), {config['threads']} thread(s); {config['steps']} timed steps "
-        f"after {config['warmup']} warm-up steps.",
+        f"after {config['warmup']} warm-up steps; the timed prefill after an untimed "
+        f"{config.get('prompt_warmup', 0)}-token first prompt.",
         f"Command: `{doc['provenance']['command']}` ({doc['provenance']['time_utc']}).",
         "",
         "| " + " | ".join(HEADER) + " |",
