@@ -13,8 +13,9 @@ Every (model, N) point runs in a fresh interpreter (``python -m oal.bench.decode
 
 Memory: ``cache_mb`` is the bytes the cache holds after the last step (keys and values of softmax layers,
 kernel states of converted ones: :func:`oal.models.state_cache.cache_nbytes`); ``peak_rss_mb`` the process's peak
-resident set during the prefill (VmHWM reset after the model's load, whose own peak is ``load_peak_rss_mb``: in
-bf16 transformers' cast of the weights, above any prefill's; on CUDA the allocator's peak), ``heap_kept_mb`` how much of
+resident set during the prefill (VmHWM reset after the model's load and the first prompt, whose own peak is
+``load_peak_rss_mb``: in bf16 transformers' cast of the weights, above any prefill's; on CUDA the allocator's peak;
+``--prompt-warmup 0``: a fresh process's first prompt, whose weights page in during it), ``heap_kept_mb`` how much of
 the resident set at that point is freed heap glibc keeps (no data: fragmentation), ``decode_peak_mb`` the peak
 above the resident memory before the decode steps, during them, and ``run_peak_rss_mb`` the process's peak over
 both (memory the prefill returned to the system that the decode steps take again counts). Converted OAL layers
@@ -241,9 +242,11 @@ DEFINITIONS = {
     "cache_mb": "bytes held by the cache after the last step: keys and values of softmax layers, recurrent "
     "states of converted ones",
     "peak_rss_mb": "peak resident set of the point's process during the prefill (VmHWM, reset after the model's "
-    "load when peak_from_prefill; the model and inputs resident count), up to its end; on CUDA "
-    "torch.cuda.max_memory_allocated",
-    "load_peak_rss_mb": "peak resident set of the point's process up to the prefill's start: the model's load",
+    "load and the first prompt when peak_from_prefill; the model and inputs resident count), up to its end; on CUDA "
+    "torch.cuda.max_memory_allocated. After a first prompt the weights are resident before the prefill and malloc's "
+    "thresholds have moved: a process's later prompts; with prompt_warmup 0 it is a fresh process's first",
+    "load_peak_rss_mb": "peak resident set of the point's process up to the prefill's start: the model's load (and the "
+    "first prompt)",
     "decode_peak_mb": "peak memory above the resident memory before the decode steps, during them",
     "run_peak_rss_mb": "peak resident set of the point's process over the prefill and the decode steps: the larger "
     "of peak_rss_mb and the resident memory before the decode steps plus decode_peak_mb (memory a prefill "
