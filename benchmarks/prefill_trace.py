@@ -14,6 +14,10 @@ kernels: SDPA with its own mask instead).
 
     python benchmarks/prefill_trace.py recipe --n 1024 --dtype bf16 > trace_recipe.jsonl
     python benchmarks/prefill_trace.py plain --n 1024 --dtype fp32 --without chunk_release,prompt_room
+    python benchmarks/prefill_trace.py recipe --n 1024 --dtype fp32 --first-prompt 64
+
+``--first-prompt T``: a T-token prompt into a cache thrown away before the traced one (its freed heap returned, then
+VmHWM reset), as ``oal bench decode`` runs one since stop 49: the weights are resident before the traced prompt.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import gc
 import json
 import sys
 import time
@@ -82,6 +87,7 @@ def take_back(names: tuple[str, ...]) -> None:
 def main() -> None:
     from oal.bench.devices import get_device
     from oal.models import KernelCache
+    from oal.models.prefill import release_freed_heap
 
     ap = argparse.ArgumentParser()
     ap.add_argument("model", choices=("original", "recipe", "plain"))
@@ -89,6 +95,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
     ap.add_argument("--chunk", type=int, default=None, help="config.oal_prefill_chunk (default: the model's own)")
     ap.add_argument("--without", type=ablations, default=(), help=f"comma-separated, among {', '.join(ABLATIONS)}")
+    ap.add_argument("--first-prompt", type=int, default=0, help="tokens of an untraced prompt first (0: none)")
     args = ap.parse_args()
     take_back(args.without)
     torch.set_num_threads(2)
@@ -102,6 +109,14 @@ def main() -> None:
             module.register_forward_pre_hook(lambda m, a, tag=f"{i}.{part}<": events.append(snapshot(tag)))
             module.register_forward_hook(lambda m, a, o, tag=f"{i}.{part}>": events.append(snapshot(tag)))
     ids = torch.randint(model.config.vocab_size, (1, args.n), generator=torch.Generator().manual_seed(0))
+    if args.first_prompt < 0:
+        raise SystemExit(f"--first-prompt: expected a number of tokens ≥ 0, got {args.first_prompt}")
+    if args.first_prompt:
+        with torch.no_grad():
+            model(ids[:, : args.first_prompt], cache=KernelCache(model), logits_to_keep=1)
+        events.clear()
+        gc.collect()
+        release_freed_heap()
     cache = KernelCache(model)
     if not get_device("cpu").reset_peak():
         raise SystemExit("this system refuses the VmHWM reset (/proc/self/clear_refs): no peak from the prefill")
@@ -114,6 +129,7 @@ def main() -> None:
     peak = events[-1]["hwm"]
     at = next(e for e in events if e["hwm"] >= peak)
     summary = {"model": args.model, "n": args.n, "dtype": args.dtype, "without": list(args.without)}
+    summary["first_prompt"] = args.first_prompt
     summary.update(start_rss=events[0]["rss"], peak=peak, prefill_s=round(seconds, 3))
     summary.update(reached_at=at["tag"], at_peak={k: at[k] for k in ("rss", "arena", "mmap", "live", "free")})
     print(json.dumps(summary))
