@@ -95,8 +95,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
     ap.add_argument("--chunk", type=int, default=None, help="config.oal_prefill_chunk (default: the model's own)")
     ap.add_argument("--without", type=ablations, default=(), help=f"comma-separated, among {', '.join(ABLATIONS)}")
-    ap.add_argument("--first-prompt", type=int, default=0, help="tokens of an untraced prompt first (0: none)")
+    ap.add_argument("--first-prompt", type=int, default=0, help="tokens of an untraced prompt first, ≤ --n (0: none)")
     args = ap.parse_args()
+    if not 0 <= args.first_prompt <= args.n:
+        raise SystemExit(f"--first-prompt: expected 0 … --n ({args.n}) tokens, got {args.first_prompt}")
     take_back(args.without)
     torch.set_num_threads(2)
     model = build(args.model, args.dtype)
@@ -109,9 +111,7 @@ def main() -> None:
             module.register_forward_pre_hook(lambda m, a, tag=f"{i}.{part}<": events.append(snapshot(tag)))
             module.register_forward_hook(lambda m, a, o, tag=f"{i}.{part}>": events.append(snapshot(tag)))
     ids = torch.randint(model.config.vocab_size, (1, args.n), generator=torch.Generator().manual_seed(0))
-    if args.first_prompt < 0:
-        raise SystemExit(f"--first-prompt: expected a number of tokens ≥ 0, got {args.first_prompt}")
-    if args.first_prompt:
+    if args.first_prompt:  # the prompt's first tokens
         with torch.no_grad():
             model(ids[:, : args.first_prompt], cache=KernelCache(model), logits_to_keep=1)
         events.clear()

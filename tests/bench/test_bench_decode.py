@@ -89,7 +89,8 @@ def test_sweep_writes_json_and_markdown(tmp_path):
                 "cache_mb": n / 100, "peak_rss_mb": 900.0, "decode_peak_mb": 2.0}  # fmt: skip
 
     seen = []
-    doc = run_sweep(DecodeConfig(), [2048, 1024], tmp_path, runner=fake, on_point=lambda p, i, t: seen.append((i, t)))
+    config = DecodeConfig(prompt_warmup=0)
+    doc = run_sweep(config, [2048, 1024], tmp_path, runner=fake, on_point=lambda p, i, t: seen.append((i, t)))
     assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
     assert [(p["method"], p["n"]) for p in doc["points"]] == [
         ("original", 1024), ("converted", 1024), ("original", 2048), ("converted", 2048)
@@ -97,6 +98,7 @@ def test_sweep_writes_json_and_markdown(tmp_path):
     assert json.loads((tmp_path / "decode.json").read_text()) == json.loads(json.dumps(doc))
     md = (tmp_path / "decode.md").read_text()
     assert md == markdown(doc)
+    assert "after 2 warm-up steps.\n" in md and "-token first prompt" not in md  # prompt_warmup 0
     assert "| 1024 | converted | 1.50 | 5.00 | 200.0 | 10.2 | 900 | 2.0 | – | – |" in md  # no run peak, no kept heap
     assert "| 2048 | converted | failed: killed by signal 9 (out of memory?) |" in md
     with pytest.raises(ValueError, match="methods"):
@@ -139,6 +141,7 @@ def test_repeated_sweep_interleaves_rounds_and_reports_medians_and_ratios(tmp_pa
     }
     md = (tmp_path / "decode.md").read_text()
     assert md == markdown(doc) and "median over 2 rounds" in md and "reversed every other round" in md
+    assert "the timed prefill after an untimed 64-token first prompt." in md
     # 0.7 / 1.25 s, 7 / 12.5 ms, 1 / 4 MB, 1012.5 / 1007 MB, run peaks 1025 / 1014 MB, (1012.5 - 6.25) / (1007 - 3.5)
     # MB; the rounds' ratios beside the medians' where two rounds have both models (at 2048 one round has)
     assert "| 1024 | 0.56× (0.20–2.00) | 0.56× (0.20–2.00) | 0.25× | 1.005× | 1.011× | 1.003× |" in md

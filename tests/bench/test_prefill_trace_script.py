@@ -58,6 +58,14 @@ def test_prefill_trace_refuses_unknown_ablations():
     )
 
 
+@pytest.mark.parametrize("tokens", ["-1", "2048"])
+def test_prefill_trace_refuses_a_first_prompt_outside_the_prompt(tokens):
+    cmd = [sys.executable, str(BENCHMARKS / "prefill_trace.py"), "plain", "--n", "1024", "--first-prompt", tokens]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert f"--first-prompt: expected 0 … --n (1024) tokens, got {tokens}" in proc.stderr
+
+
 def test_prefill_trace_takes_back_what_it_is_told(load_benchmark, monkeypatch):
     from oal.kernels import hybrid
     from oal.models import hooks, prefill, state_cache

@@ -233,7 +233,7 @@ def run_point_subprocess(method: str, n: int, config: DecodeConfig) -> dict[str,
 
 DEFINITIONS = {
     "prefill_s": "wall-clock seconds of the prefill forward over N random tokens into a fresh KernelCache, after "
-    "the untimed first prompt",
+    "the untimed first prompt if any",
     "first_call_s": "wall-clock seconds of the point's first forward, an untimed prompt of `prompt_warmup` tokens "
     "before the prefill (null without it): a short prompt plus what a process pays once",
     "ms_per_token": "median wall-clock time of one greedy decode step (a one-token forward on the cache, device "
@@ -475,8 +475,12 @@ def markdown(doc: dict) -> str:
         "",
         f"Model `{config['model']}`; converted: {what}. Batch {config['batch']}, {config['dtype']}, "
         f"{config['device']} ({dev.get('name', '')}), {config['threads']} thread(s); {config['steps']} timed steps "
-        f"after {config['warmup']} warm-up steps; the timed prefill after an untimed "
-        f"{config.get('prompt_warmup', 0)}-token first prompt.",
+        f"after {config['warmup']} warm-up steps"
+        + (
+            f"; the timed prefill after an untimed {config['prompt_warmup']}-token first prompt."
+            if config.get("prompt_warmup")
+            else "."
+        ),
         f"Command: `{doc['provenance']['command']}` ({doc['provenance']['time_utc']}).",
         "",
         "| " + " | ".join(HEADER) + " |",
