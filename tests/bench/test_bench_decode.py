@@ -7,6 +7,7 @@ import torch
 from tiny import tiny_causal_lm
 
 from oal.bench.decode import DecodeConfig, markdown, round_speedups, run_point, run_sweep, synthetic_groups
+from oal.ops.quadratic.cpu import PATH_FLAGS, path_flags
 
 
 @pytest.fixture
@@ -148,3 +149,18 @@ def test_repeated_sweep_interleaves_rounds_and_reports_medians_and_ratios(tmp_pa
     assert "| 2048 | 1.29× | 1.29× | 0.25× | 0.997× | 0.993× | 0.998× |" in md
     with pytest.raises(ValueError, match="repeats: expected a positive integer"):
         run_sweep(DecodeConfig(), [16], tmp_path, repeats=0, runner=fake)
+
+
+def test_the_report_names_the_cpu_flags_its_figures_depend_on(tmp_path):
+    def fake(method, n, config):
+        return {"method": method, "n": n, "prefill_s": 1.0, "ms_per_token": 2.0, "tokens_per_s": 500.0,
+                "cache_mb": 1.0, "peak_rss_mb": 900.0, "decode_peak_mb": 1.0}  # fmt: skip
+
+    doc = run_sweep(DecodeConfig(prompt_warmup=0), [64], tmp_path, runner=fake)
+    assert doc["device"]["isa"] == list(path_flags())
+    doc["device"].update(name="Some CPU", isa=["avx2", "fma", "amx_bf16"])
+    assert "cpu (Some CPU; avx2, fma, amx_bf16), " in markdown(doc)
+    doc["device"]["isa"] = []
+    assert f"cpu (Some CPU; none of {', '.join(PATH_FLAGS)}), " in markdown(doc)
+    del doc["device"]["isa"]  # a record from before the flags were kept
+    assert "cpu (Some CPU), " in markdown(doc)

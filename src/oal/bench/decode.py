@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ..io import provenance, write_json, write_text
+from ..ops.quadratic.cpu import PATH_FLAGS
 from .devices import PROC_STATUS, get_device, heap_kept_bytes
 from .machine import parse_dtype
 from .op import _child_env, _describe_failure
@@ -463,6 +464,15 @@ def ratio_rows(doc: dict) -> list[list[str]]:
     return rows
 
 
+def _device_words(dev: dict) -> str:
+    """The device's name, with the CPU flags that choose the kernels' paths where the record has them (records
+    before stop 50 have none)."""
+    isa = dev.get("isa")
+    if isa is None:
+        return dev.get("name", "")
+    return f"{dev.get('name', '')}; {', '.join(isa) if isa else 'none of ' + ', '.join(PATH_FLAGS)}"
+
+
 def markdown(doc: dict) -> str:
     config, dev = doc["config"], doc["device"]
     what = (
@@ -474,7 +484,7 @@ def markdown(doc: dict) -> str:
         "# Decode benchmark",
         "",
         f"Model `{config['model']}`; converted: {what}. Batch {config['batch']}, {config['dtype']}, "
-        f"{config['device']} ({dev.get('name', '')}), {config['threads']} thread(s); {config['steps']} timed steps "
+        f"{config['device']} ({_device_words(dev)}), {config['threads']} thread(s); {config['steps']} timed steps "
         f"after {config['warmup']} warm-up steps"
         + (
             f"; the timed prefill after an untimed {config['prompt_warmup']}-token first prompt."

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..ops.quadratic.cpu import path_flags
+
 PROC_STATUS = Path("/proc/self/status")
 PROC_MEMINFO = Path("/proc/meminfo")
 CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -154,6 +156,7 @@ class CPUDevice(BenchDevice):
             "logical_cpus": os.cpu_count(),
             "usable_cpus": len(os.sched_getaffinity(0)),
             "capability": torch.backends.cpu.get_cpu_capability(),
+            "isa": list(path_flags()),
             "memory_total_mb": round(_meminfo_total() / 2**20, 1),
         }
 

@@ -66,16 +66,32 @@ def amx_bf16() -> bool:
         if forced not in ("0", "1"):
             raise ValueError(f"OAL_CPU_AMX: expected 0 or 1, got {forced!r}")
         return forced == "1"
-    return _cpuinfo_has("amx_bf16")
+    return "amx_bf16" in cpu_flags()
+
+
+#: the instruction-set flags that choose this package's CPU paths: the fused kernels' SIMD width (AVX2 + FMA or
+#: AVX-512), bf16 pair products (AVX512_BF16) and the exact heads' prompt on AMX tiles
+PATH_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
 
 
 @cache
-def _cpuinfo_has(flag: str) -> bool:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux's /proc/cpuinfo lists them (empty where there is none)."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return flags_of(Path("/proc/cpuinfo").read_text())
     except OSError:
-        return False
-    return any(flag in line.split() for line in text.splitlines() if line.startswith("flags"))
+        return frozenset()
+
+
+def flags_of(cpuinfo: str) -> frozenset[str]:
+    """The flags of a /proc/cpuinfo text: the words after ``flags :`` on its ``flags`` lines."""
+    lines = (line.split(":", 1) for line in cpuinfo.splitlines() if line.startswith("flags"))
+    return frozenset(flag for parts in lines if len(parts) == 2 for flag in parts[1].split())
+
+
+def path_flags() -> tuple[str, ...]:
+    """Those of :data:`PATH_FLAGS` this CPU has, in that order (the hardware a CPU benchmark's figures depend on)."""
+    return tuple(flag for flag in PATH_FLAGS if flag in cpu_flags())
 
 
 def _root() -> Path:
