@@ -3,7 +3,8 @@
     python benchmarks/plot_model_bench.py OUT.png OUT.md RUN.json [RUN.json ...]
 
 Each RUN.json is an `oal bench decode` result (decode.json); its label is the name of the folder holding it.
-Left panel: decode ms/token against the context; right panel: cache MB. The Markdown table lists every point with
+Left panel: decode ms/token against the context; right panel: cache MB; one colour per run (its original dashed,
+its converted model solid). The Markdown table lists every point with
 the converted/original ratios (decode speed-up = original ms / converted ms; tokens/s counts the whole batch).
 """
 
@@ -48,15 +49,16 @@ def table(runs: list[tuple[str, dict]]) -> str:
 
 def plot(runs: list[tuple[str, dict]], out: Path) -> None:
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, doc in runs:
+    for i, (name, doc) in enumerate(runs):
         batch = doc["config"].get("batch", 1)
+        color = f"C{i % 10}"  # one colour per run: its original dashed, its converted model solid
         for method, style in (("original", "--"), ("converted", "-")):
             pts = sorted((p["n"], p) for p in doc["points"] if p["method"] == method)
             if not pts:
                 continue
             label = f"{method} ({name}, batch {batch})"
-            ax_t.plot([n for n, _ in pts], [p["ms_per_token"] for _, p in pts], style, marker="o", label=label)
-            ax_m.plot([n for n, _ in pts], [p["cache_mb"] for _, p in pts], style, marker="o", label=label)
+            for ax, key in ((ax_t, "ms_per_token"), (ax_m, "cache_mb")):
+                ax.plot([n for n, _ in pts], [p[key] for _, p in pts], style, color=color, marker="o", label=label)
     for ax, what in ((ax_t, "decode ms per step (whole batch)"), (ax_m, "cache MB")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
