@@ -15,6 +15,9 @@ the shorter context's).
     python benchmarks/decode_ab.py smollm2-135m docs/results/conversion/model --n 1024,8192 --steps 66
     python benchmarks/decode_ab.py smollm2-135m plain --n 1024,8192 --steps 66
     python benchmarks/decode_ab.py smollm2-135m docs/results/conversion/model --n 4096 --batch 8 --steps 34
+
+The first line of the output is the machine record (``oal.bench.devices.machine_record``: the command, the
+versions, the CPU's flags).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 import torch
 
 from oal.bench.decode import DecodeConfig, build_model
+from oal.bench.devices import machine_record
 from oal.models import load_model
 from oal.models.state_cache import KernelCache, cache_nbytes
 
@@ -70,6 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     sizes = checked_sizes(args)
     torch.set_num_threads(args.threads)
+    print(json.dumps(machine_record()), flush=True)
     models = {name: build(name, args.dtype).eval() for name in args.models}
     pairs = [(name, n) for n in sizes for name in args.models]
     state = {}

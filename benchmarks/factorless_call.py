@@ -4,6 +4,9 @@ call with the factor and against SDPA, fp32, B = 1, Hq = 9, Hkv = 3, d = dv = 64
     python benchmarks/factorless_call.py --sizes 4096,16384 --threads 2 --repeats 3
 
 Prints the median seconds of each and the ratios; each repeat runs the three calls round-robin.
+
+The first line of the output is the machine record (``oal.bench.devices.machine_record``: the command, the
+versions, the CPU's flags).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from oal.bench.devices import machine_record
 from oal.kernels import oal_coefficients, oal_factor, taylor_L
 from oal.ops import quadratic_attention
 
@@ -27,6 +31,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(json.dumps(machine_record()), flush=True)
     gen = torch.Generator().manual_seed(0)
     groups = torch.randint(0, 4, (9, 64), generator=gen)
     L = taylor_L(9, 4) + 0.1 * torch.randn(9, 5, 5, generator=gen)

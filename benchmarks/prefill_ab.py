@@ -12,6 +12,9 @@ median and min seconds, then one ``ratio`` line per context: the first model's m
 
     python benchmarks/prefill_ab.py smollm2-135m docs/results/conversion/model --n 1024,8192 --rounds 3
     python benchmarks/prefill_ab.py smollm2-135m plain --n 1024,8192 --rounds 3
+
+The first line of the output is the machine record (``oal.bench.devices.machine_record``: the command, the
+versions, the CPU's flags).
 """
 
 from __future__ import annotations
@@ -63,9 +66,11 @@ def main() -> None:
         raise SystemExit(f"models: expected two different models, got {args.models[0]!r} twice")
     if args.warmup < 0:
         raise SystemExit(f"--warmup: expected a number of tokens ≥ 0, got {args.warmup}")
+    from oal.bench.devices import machine_record
     from oal.models.state_cache import KernelCache
 
     torch.set_num_threads(args.threads)
+    print(json.dumps(machine_record()), flush=True)
     models = {name: build(name, args.dtype).eval() for name in args.models}
     if args.warmup:  # what a process pays once (the kernels' libraries, thread pools), before any timed prefill
         for model in models.values():

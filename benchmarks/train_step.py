@@ -8,6 +8,9 @@ update at the one size given (one process per size: an earlier, smaller update l
 
     OAL_DATA_DIR=../shared/data python benchmarks/train_step.py --sizes 512,2048 --threads 2 --out train_step.jsonl
     OAL_DATA_DIR=../shared/data python benchmarks/train_step.py --sizes 2048 --peak-rss converted
+
+The first line of the output is the machine record (``oal.bench.devices.machine_record``: the command, the
+versions, the CPU's flags), also the first of the lines ``--out`` appends.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from oal.bench.devices import machine_record
 from oal.models import load_model
 from oal.training.config import preset
 from oal.training.lora import apply_lora, trainable_parameters
@@ -63,9 +67,10 @@ def main() -> None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         print(json.dumps({"model": name, "n": sizes[0], "peak_rss_mb": round(peak)}), flush=True)
         return
+    rows = [machine_record()]
+    print(json.dumps(rows[0]), flush=True)
     models = {name: lora_model(name) for name in ("smollm2-135m", args.converted)}
     vocab = next(iter(models.values()))[0].config.vocab_size
-    rows = []
     for n in sizes:
         ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
         times = {name: [] for name in models}

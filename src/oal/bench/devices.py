@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..io import provenance
 from ..ops.quadratic.cpu import path_flags
 
 PROC_STATUS = Path("/proc/self/status")
@@ -213,6 +214,12 @@ class CUDADevice(BenchDevice):
             "cuda": torch.version.cuda,
             "host_cpu": cpu_model(),
         }
+
+
+def machine_record(device: str = "cpu") -> dict[str, object]:
+    """``{"machine": {"provenance": …, "device": …}}``: the first line of a benchmark script's JSON-lines output, so
+    that its figures say what ran them (the command, time and versions, and the device with its CPU flags)."""
+    return {"machine": {"provenance": provenance(), "device": get_device(device).describe()}}
 
 
 def get_device(name: str) -> BenchDevice:
