@@ -19,7 +19,6 @@ with torch.no_grad():
     walls = []
     for _ in range(2):
         t = time.perf_counter(); m(ids, cache=KernelCache(m), logits_to_keep=1); walls.append(time.perf_counter() - t)
-med = lambda xs: sorted(xs)[len(xs) // 2]
 attn = [sum(acc[(i, "self_attn")]) / 2 * 1e3 for i in range(30)]
 mlp = [sum(acc[(i, "mlp")]) / 2 * 1e3 for i in range(30)]
 print(sys.argv[1], "walls", [round(w, 3) for w in walls], "attn sum %.1f mlp sum %.1f" % (sum(attn), sum(mlp)))
