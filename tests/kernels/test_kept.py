@@ -370,3 +370,45 @@ def test_exact_heads_kernel_takes_a_kept_inner_state(inner):
     torch.testing.assert_close(after.inner.k[:, :, :40], k[:, [0, 2]], rtol=0, atol=0)
     with pytest.raises(ValueError, match="initial_state: a kept form .* fold it"):
         kernel(q[:, :, 25:].requires_grad_(), k[:, :, 25:], v[:, :, 25:], initial_state=state)
+
+
+def test_cache_empty_takes_a_reserved_buffer_of_the_same_shape_dtype_and_device_once():
+    from oal.kernels.base import cache_empty, reserved_buffers
+
+    like = torch.empty(0)
+    a, b = torch.empty(2, 3, 4), torch.empty(2, 3, 4, dtype=torch.bfloat16)
+    pool = [a, b]
+    with reserved_buffers(pool):
+        assert cache_empty(like, 2, 3, 5).data_ptr() not in (a.data_ptr(), b.data_ptr())  # no such shape
+        assert cache_empty(like, 2, 3, 4, dtype=torch.bfloat16) is b
+        assert cache_empty(like, 2, 3, 4) is a
+        assert pool == []
+        fresh = cache_empty(like, 2, 3, 4)
+        assert fresh is not a and fresh.shape == (2, 3, 4)
+    pool = [a]
+    assert cache_empty(like, 2, 3, 4) is not a and pool == [a]  # outside the block nothing is reserved
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [1, 40, 200])
+def test_prompt_buffers_are_what_a_prompt_keeps(kind, n, monkeypatch):
+    """kept.prompt_buffers names the buffers a one-call prompt leaves in the state (the model's prefill reserves
+    them before its first layer): reserved, the prompt takes every one of them and allocates none besides."""
+    from oal.kernels.base import model_layer, reserved_buffers
+
+    kernel = make_kernel(kind, 9, 3, 16, exact=(1,))
+    if isinstance(kernel, ExactHeadsKernel):
+        kernel.decode_budget, kernel.decode_page = 32, 8
+    q, k, v = (x.float() for x in make_qkv(2, 9, 3, n, 16))
+    with model_layer(5), torch.no_grad():
+        shapes = kept_form.prompt_buffers(kernel, 2, n, 16, 16)
+        pool = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
+        ptrs = {t.data_ptr() for t in pool}
+        with reserved_buffers(pool):
+            _, state = kept_form.start(kernel, q, k, v) or kernel(q, k, v, output_final_state=True)
+    assert pool == []
+    kept = kept_of(state)
+    held = [] if kept is None else [kept.k, kept.v]
+    if isinstance(state, ExactHeadsState):
+        held += [t for t in (state.k, state.v, state.k_bounds) if t is not None]
+    assert {t.data_ptr() for t in held} == ptrs

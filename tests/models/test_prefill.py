@@ -515,3 +515,92 @@ def test_a_prompt_builds_the_decode_constants_the_steps_reuse(make_model, monkey
         nxt = out.logits[:, -1:].argmax(-1)
         for _ in range(3):
             nxt = model(input_ids=nxt, cache=cache).logits[:, -1:].argmax(-1)
+
+
+def cache_buffers(cache) -> list[torch.Tensor]:
+    """The buffers a cache keeps: softmax entries' keys and values, kept keys and values, exact heads' buffers."""
+    from oal.kernels.hybrid import ExactHeadsState
+    from oal.models.state_cache import ExactKVLayer, KernelStateLayer
+
+    out = []
+    for entry in cache.layers:
+        if isinstance(entry, ExactKVLayer):
+            out += [entry._kbuf, entry._vbuf]
+        elif isinstance(entry, KernelStateLayer):
+            state = entry.state
+            if isinstance(state, ExactHeadsState):
+                out += [t for t in (state.k, state.v, state.k_bounds) if t is not None]
+                state = state.inner
+            if isinstance(state, KeptKV):
+                out += [state.k, state.v]
+    return out
+
+
+def spy_reserves(monkeypatch) -> list[torch.Tensor]:
+    """Every buffer prefill reserves for a prompt (oal.models.state_cache.reserved_for_prompt), as it reserves them."""
+    from oal.models import state_cache
+
+    reserved = []
+    real = state_cache.reserved_for_prompt
+
+    @contextlib.contextmanager
+    def spy(model, cache, batch, n):
+        with real(model, cache, batch, n):
+            reserved.extend(t for entry in cache.layers for t in (getattr(entry, "reserve", None) or ()))
+            yield
+
+    monkeypatch.setattr(prefill, "reserved_for_prompt", spy)
+    return reserved
+
+
+@pytest.mark.parametrize("kind", ["oal", "oal_exact_heads", "sink_window_exact_heads"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_keeps_the_buffers_reserved_before_its_first_layer(make_model, monkeypatch, kind, dtype):
+    """A prompt in one call into a KernelCache: every buffer its cache keeps (softmax layers' keys and values, kept
+    keys and values, exact heads' keys, values and page bounds) was allocated before the first layer ran, and each
+    reserved buffer is one of them; the logits and the decode steps after it equal those without reserving."""
+    from oal.kernels.base import GROWTH as growth
+    from oal.models.hooks import attached_kernels
+
+    model = model_of(make_model, kind).to(dtype)
+    if kind == "sink_window_exact_heads":
+        for kernel in attached_kernels(model).values():
+            kernel.decode_budget, kernel.decode_page = 32, 8  # page bounds too
+    ids = prompt(2, 40)
+    monkeypatch.setattr(prefill, "reserved_for_prompt", lambda *a: contextlib.nullcontext())
+    want, _ = run(model, ids, 0, steps=growth + 1)
+    monkeypatch.undo()
+    reserved = spy_reserves(monkeypatch)
+    model.config.oal_prefill_chunk = 0
+    cache = KernelCache(model)
+    with torch.no_grad():
+        got = model(input_ids=ids, cache=cache).logits
+    kept = {t.data_ptr() for t in cache_buffers(cache)}
+    assert reserved and {t.data_ptr() for t in reserved} == kept
+    assert all(getattr(entry, "reserve", None) is None for entry in cache.layers)
+    assert torch.equal(got, want[0])
+    (_, *steps), _ = run(model, ids, 0, steps=growth + 1)  # the steps after it outgrow the spare slots
+    for g, w in zip(steps, want[1:], strict=True):
+        assert torch.equal(g, w)
+
+
+def test_no_buffers_are_reserved_where_a_prompt_would_not_keep_them(make_model, monkeypatch):
+    """Nothing is reserved for a padded batch, under autograd, for a one-token step, nor for a prompt after tokens
+    already cached (its entries are not empty)."""
+    model = model_of(make_model, "sink_window_exact_heads")
+    reserved = spy_reserves(monkeypatch)
+    ids = prompt(2, 30)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    model.config.oal_prefill_chunk = 0
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, cache=KernelCache(model))
+    model(input_ids=ids, cache=KernelCache(model))  # autograd on
+    cache = KernelCache(model)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+        assert reserved
+        reserved.clear()
+        model(input_ids=ids[:, :1], cache=cache)
+        model(input_ids=ids[:, :7], cache=cache)
+    assert reserved == []

@@ -39,6 +39,36 @@ def model_layer(index: int | None) -> Iterator[None]:
         _LAYER.reset(token)
 
 
+# the buffers reserved for the cache of the layer being run (reserved_buffers): what cache_empty hands out first
+_RESERVED: ContextVar[list[torch.Tensor] | None] = ContextVar("oal_reserved", default=None)
+
+
+@contextlib.contextmanager
+def reserved_buffers(buffers: list[torch.Tensor] | None) -> Iterator[None]:
+    """Within it, :func:`cache_empty` takes a buffer of ``buffers`` (removing it) where one has the shape, dtype and
+    device asked for. A prompt's cache buffers, reserved for every layer before its first layer runs
+    (:func:`oal.models.state_cache.reserved_for_prompt`), then sit below all of the prompt's transients in malloc's
+    heap instead of amid each layer's, where a long-lived block keeps the freed ones around it from being reused
+    and the heap grows layer after layer."""
+    token = _RESERVED.set(buffers)
+    try:
+        yield
+    finally:
+        _RESERVED.reset(token)
+
+
+def cache_empty(like: torch.Tensor, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised ``shape`` tensor in ``dtype`` (default ``like``'s) on ``like``'s device for a buffer the cache
+    keeps: a reserved one where :func:`reserved_buffers` has it, else a new one."""
+    dtype = like.dtype if dtype is None else dtype
+    pool = _RESERVED.get()
+    if pool:
+        for i, buf in enumerate(pool):
+            if buf.dtype == dtype and buf.device == like.device and tuple(buf.shape) == shape:
+                return pool.pop(i)
+    return like.new_empty(shape, dtype=dtype)
+
+
 def spare_slots(growth: int) -> int:
     """Spare slots a prompt leaves in a buffer that a decode step grows by ``growth`` slots when full: 0 outside a
     model's layer, else the layer's own share ``41 · layer mod growth`` (distinct for ``growth`` consecutive layers

@@ -27,6 +27,7 @@ from .base import (
     GROWTH,
     AttentionKernel,
     KeptKV,
+    cache_empty,
     check_positions,
     context_end,
     in_prompt,
@@ -103,7 +104,7 @@ def bounds_buffer(old: torch.Tensor | None, k: torch.Tensor, page: int) -> torch
     pages = page_select.num_pages(k.shape[2], page)
     if old is not None and old.shape[2] >= pages and old.is_contiguous():
         return old
-    new = k.new_empty(k.shape[0], k.shape[1], pages, 2, k.shape[3], dtype=torch.bfloat16)
+    new = cache_empty(k, k.shape[0], k.shape[1], pages, 2, k.shape[3], dtype=torch.bfloat16)
     if old is not None:
         new[:, :, : old.shape[2]] = old[:, :, :pages]
     return new
@@ -531,14 +532,18 @@ class ExactHeadsKernel(AttentionKernel):
                 bufs = old
             else:
                 bufs = self._exact_buffers(
-                    k, v, kv_dtype, context_end(past + n) + spare_slots(GROWTH) if output_final_state else past + n
+                    k,
+                    v,
+                    kv_dtype,
+                    context_end(past + n) + spare_slots(GROWTH) if output_final_state else past + n,
+                    kept=output_final_state,
                 )
                 for buf, x in zip(bufs, old, strict=True):
                     buf[:, :, :past] = x[:, :, :past]
         else:
             reuse = False
             bufs = self._exact_buffers(
-                k, v, kv_dtype, context_end(n) + spare_slots(GROWTH) if output_final_state else n
+                k, v, kv_dtype, context_end(n) + spare_slots(GROWTH) if output_final_state else n, output_final_state
             )
         kn, vn = _heads(k, ex), _heads(v, ex)
         if int8:
@@ -613,17 +618,29 @@ class ExactHeadsKernel(AttentionKernel):
         refresh_bounds(bounds, bufs[0], scale, past if old is not None else 0, past + n, page)
         return bounds
 
-    def _exact_buffers(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, capacity: int) -> tuple:
+    def _exact_buffers(
+        self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, capacity: int, kept: bool = True
+    ) -> tuple:
         """Empty ``(B, E, capacity, ·)`` key and value buffers of the exact heads in ``dtype``, and for int8 their
-        ``(B, E, capacity)`` fp32 scale buffers after them."""
+        ``(B, E, capacity)`` fp32 scale buffers after them (:meth:`buffer_shapes`); ``kept``: buffers the state keeps
+        (:func:`~oal.kernels.base.cache_empty`: reserved ones first), else a call's own."""
+        empty = cache_empty if kept else (lambda like, *shape, dtype: like.new_empty(shape, dtype=dtype))
+        shapes = self.buffer_shapes(k.shape[0], capacity, k.shape[-1], v.shape[-1], dtype)
+        return tuple(empty(k, *shape, dtype=dt) for shape, dt in shapes)
+
+    def buffer_shapes(
+        self, batch: int, capacity: int, d: int, dv: int, dtype: torch.dtype, bounds: bool = False
+    ) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The shapes and dtypes of the exact heads' buffers of ``capacity`` slots in ``dtype`` (keys, values, and
+        for int8 their scales), and with ``bounds`` the page bounds buffer a decode budget keeps beside them."""
         E = len(self.exact_kv_heads)
-        bufs = (
-            k.new_empty(k.shape[0], E, capacity, k.shape[-1], dtype=dtype),
-            v.new_empty(v.shape[0], E, capacity, v.shape[-1], dtype=dtype),
-        )
+        shapes = [((batch, E, capacity, d), dtype), ((batch, E, capacity, dv), dtype)]
         if dtype == torch.int8:
-            bufs += tuple(k.new_empty(k.shape[0], E, capacity, dtype=torch.float32) for _ in range(2))
-        return bufs
+            shapes += [((batch, E, capacity), torch.float32)] * 2
+        if bounds and self.decode_budget is not None:
+            pages = page_select.num_pages(capacity, self.decode_page)
+            shapes.append(((batch, E, pages, 2, d), torch.bfloat16))
+        return shapes
 
     def exact_state(self, k: torch.Tensor, v: torch.Tensor, inner: object, offset: int) -> ExactHeadsState:
         """The state after a prompt whose keys ``k (B, Hkv, offset, d)`` and values ``v`` were all seen, with

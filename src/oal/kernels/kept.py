@@ -27,7 +27,7 @@ import torch
 from ..ops.quadratic import cpu as cpu_kernel
 from ..ops.quadratic.utils import cyclic_features, cyclic_maps, cyclic_width, feature_dim
 from ..ops.sink_window import SinkWindowState
-from .base import KEPT_GROWTH, KeptKV, context_end, prompt_end, spare_slots, with_kept
+from .base import GROWTH, KEPT_GROWTH, KeptKV, cache_empty, context_end, prompt_end, spare_slots, with_kept
 from .hybrid import ExactHeadsKernel, ExactHeadsState
 from .oal import OALKernel
 from .sink_window import SinkWindowKernel, kernel_at_end
@@ -43,6 +43,7 @@ __all__ = [
     "keep_limit",
     "needs_autograd",
     "note_regrown",
+    "prompt_buffers",
     "prompt_end",
     "start",
     "take_regrown",
@@ -123,7 +124,7 @@ def take_regrown() -> bool:
 
 def _buffer(x: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
     """``x (B, K, n, ·)`` copied into the first n slots of a contiguous ``dtype`` buffer of ``capacity`` slots."""
-    out = x.new_empty(x.shape[0], x.shape[1], capacity, x.shape[3], dtype=dtype)
+    out = cache_empty(x, x.shape[0], x.shape[1], capacity, x.shape[3], dtype=dtype)
     out[:, :, : x.shape[2]] = x
     return out
 
@@ -153,6 +154,31 @@ def start(
     if isinstance(kernel, ExactHeadsKernel):
         return o, kernel.exact_state(k, v, kept, n)
     return o, kept
+
+
+def prompt_buffers(
+    kernel, batch: int, n: int, d: int, dv: int, model_dtype: torch.dtype = torch.float32, keep: bool = True
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The shapes and dtypes of the buffers a layer's cache keeps after a CPU inference prompt of ``n`` tokens from no
+    state in one call, as the current model layer (:func:`~oal.kernels.base.model_layer`) allocates them: the kept
+    keys and values (:func:`start`) and an exact-heads kernel's keys, values and page bounds; [] for kernels whose
+    state is built elsewhere (the chunked kernels' states, the baselines). What
+    :func:`oal.models.state_cache.reserved_for_prompt` allocates before the prompt's first layer runs. ``keep``:
+    whether the layer keeps keys and values below the limit (its cache's ``keep_keys``)."""
+    dtype = torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
+    shapes = []
+    limit = keep_limit(kernel, d, dv, dtype.itemsize)
+    keeps = keep and limit > 0 and 0 < context_end(n) <= limit and cpu_kernel.load("decode") is not None
+    if keeps:
+        capacity = min(context_end(n) + spare_slots(KEPT_GROWTH), limit)
+        K = len(kernel.kernel_kv_heads) if isinstance(kernel, ExactHeadsKernel) else kernel.num_kv_heads
+        shapes += [((batch, K, capacity, d), dtype), ((batch, K, capacity, dv), dtype)]
+    if isinstance(kernel, ExactHeadsKernel):
+        # start's exact_state (n slots and spare), else the kernel's own prompt (the prompt's end and spare); the
+        # exact heads compute on fp32 inputs (oal.models.hooks widens a bf16 model's)
+        capacity = (n if keeps else context_end(n)) + spare_slots(GROWTH)
+        shapes += kernel.buffer_shapes(batch, capacity, d, dv, kernel.kv_dtype or torch.float32, bounds=True)
+    return shapes
 
 
 def _state_of(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..kernels import kept as kept_form
-from ..kernels.base import AttentionKernel, SoftmaxKernel, model_layer
+from ..kernels.base import AttentionKernel, SoftmaxKernel, model_layer, reserved_buffers
 from ..kernels.decode import decode_step, prepare_decode, softmax_decode_step
 from ..ops.quadratic import cpu as cpu_kernels
 from ..ops.softmax import softmax_at_end
@@ -237,6 +237,11 @@ def _kernel_attention(
         x.to(torch.float32, memory_format=torch.contiguous_format) if x.dtype in _HALF else x
         for x in (query, key, value)
     )
+    # the buffers reserved for this layer's cache before the prompt (state_cache.reserved_for_prompt): taken by
+    # this call or freed now
+    reserve = None
+    if layer is not None:
+        reserve, layer.reserve = layer.reserve, None
     with torch.autocast(q.device.type, enabled=False):
         if valid is not None or (layer is not None and isinstance(layer.state, RowStates)):
             o = _padded_attention(where, kernel, q, k, v, valid, layer, past, module.layer_idx, key.dtype)
@@ -249,7 +254,8 @@ def _kernel_attention(
                     f"{where}: the kernel returned no recurrent state for the first {past} tokens, so this cache "
                     "cannot continue; run the model with use_cache=False"
                 )
-            o, state = _step(kernel, q, k, v, state, past, layer.keep_keys, module.layer_idx, key.dtype)
+            with reserved_buffers(reserve):
+                o, state = _step(kernel, q, k, v, state, past, layer.keep_keys, module.layer_idx, key.dtype)
             layer.put(state)
     return o.to(value.dtype).transpose(1, 2).contiguous()
 
