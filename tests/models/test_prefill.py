@@ -555,10 +555,12 @@ def spy_reserves(monkeypatch) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["oal", "oal_exact_heads", "sink_window_exact_heads"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_prompt_keeps_the_buffers_reserved_before_its_first_layer(make_model, monkeypatch, kind, dtype):
-    """A prompt in one call into a KernelCache: every buffer its cache keeps (softmax layers' keys and values, kept
-    keys and values, exact heads' keys, values and page bounds) was allocated before the first layer ran, and each
-    reserved buffer is one of them; the logits and the decode steps after it equal those without reserving."""
+@pytest.mark.parametrize("n, chunk", [(20, 0), (20, 8), (40, 0), (40, 16)])  # kept keys below 25 tokens, states above
+def test_a_prompt_keeps_the_buffers_reserved_before_its_first_layer(make_model, monkeypatch, kind, dtype, n, chunk):
+    """A prompt into a KernelCache, in one call or in chunks: every buffer its cache keeps (softmax layers' keys and
+    values, kept keys and values, exact heads' keys, values and page bounds) was allocated before the first layer
+    ran, each reserved buffer is one of them (a later chunk writes into the room the first left, no buffer is
+    regrown), and the logits and the decode steps after it equal those without reserving."""
     from oal.kernels.base import GROWTH as growth
     from oal.models.hooks import attached_kernels
 
@@ -566,12 +568,12 @@ def test_a_prompt_keeps_the_buffers_reserved_before_its_first_layer(make_model, 
     if kind == "sink_window_exact_heads":
         for kernel in attached_kernels(model).values():
             kernel.decode_budget, kernel.decode_page = 32, 8  # page bounds too
-    ids = prompt(2, 40)
+    ids = prompt(2, n)
     monkeypatch.setattr(prefill, "reserved_for_prompt", lambda *a: contextlib.nullcontext())
-    want, _ = run(model, ids, 0, steps=growth + 1)
+    want, _ = run(model, ids, chunk, steps=growth + 1)
     monkeypatch.undo()
     reserved = spy_reserves(monkeypatch)
-    model.config.oal_prefill_chunk = 0
+    model.config.oal_prefill_chunk = chunk
     cache = KernelCache(model)
     with torch.no_grad():
         got = model(input_ids=ids, cache=cache).logits
@@ -579,7 +581,7 @@ def test_a_prompt_keeps_the_buffers_reserved_before_its_first_layer(make_model, 
     assert reserved and {t.data_ptr() for t in reserved} == kept
     assert all(getattr(entry, "reserve", None) is None for entry in cache.layers)
     assert torch.equal(got, want[0])
-    (_, *steps), _ = run(model, ids, 0, steps=growth + 1)  # the steps after it outgrow the spare slots
+    (_, *steps), _ = run(model, ids, chunk, steps=growth + 1)  # the steps after it outgrow the spare slots
     for g, w in zip(steps, want[1:], strict=True):
         assert torch.equal(g, w)
 

@@ -645,14 +645,16 @@ class ExactHeadsKernel(AttentionKernel):
     def exact_state(self, k: torch.Tensor, v: torch.Tensor, inner: object, offset: int) -> ExactHeadsState:
         """The state after a prompt whose keys ``k (B, Hkv, offset, d)`` and values ``v`` were all seen, with
         ``inner`` as the kernel heads' state: the exact heads' keys and values stored in ``kv_dtype`` (quantised for
-        int8) in buffers with the layer's :func:`~oal.kernels.base.spare_slots` of room after them."""
+        int8) in buffers with room for the rest of a prompt in chunks (:func:`~oal.kernels.base.prompt_end`: its later
+        chunks write into it, as :meth:`forward` leaves room) and the layer's :func:`~oal.kernels.base.spare_slots`
+        after them."""
         kv_dtype = self.kv_dtype or k.dtype
         kn, vn = _heads(k, self.exact_kv_heads), _heads(v, self.exact_kv_heads)
         parts = (kn, vn)
         if kv_dtype == torch.int8:
             (qk, sk), (qv, sv) = quantize_int8(kn), quantize_int8(vn)
             parts = (qk, qv, sk, sv)  # the order of _exact_buffers
-        bufs = self._exact_buffers(k, v, kv_dtype, offset + spare_slots(GROWTH))
+        bufs = self._exact_buffers(k, v, kv_dtype, context_end(offset) + spare_slots(GROWTH))
         for buf, x in zip(bufs, parts, strict=True):
             buf[:, :, :offset] = x
         scales = bufs[2:] if kv_dtype == torch.int8 else (None, None)

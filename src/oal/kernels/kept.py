@@ -160,11 +160,12 @@ def prompt_buffers(
     kernel, batch: int, n: int, d: int, dv: int, model_dtype: torch.dtype = torch.float32, keep: bool = True
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """The shapes and dtypes of the buffers a layer's cache keeps after a CPU inference prompt of ``n`` tokens from no
-    state in one call, as the current model layer (:func:`~oal.kernels.base.model_layer`) allocates them: the kept
-    keys and values (:func:`start`) and an exact-heads kernel's keys, values and page bounds; [] for kernels whose
-    state is built elsewhere (the chunked kernels' states, the baselines). What
-    :func:`oal.models.state_cache.reserved_for_prompt` allocates before the prompt's first layer runs. ``keep``:
-    whether the layer keeps keys and values below the limit (its cache's ``keep_keys``)."""
+    state (in one call, or the first chunk of a prompt to :func:`prompt_end`), as the current model layer
+    (:func:`~oal.kernels.base.model_layer`) allocates them: the kept keys and values (:func:`start`) and an
+    exact-heads kernel's keys, values and page bounds; [] for kernels whose state is built elsewhere (the chunked
+    kernels' states, the baselines). What :func:`oal.models.state_cache.reserved_for_prompt` allocates before the
+    prompt's first layer runs. ``keep``: whether the layer keeps keys and values below the limit (its cache's
+    ``keep_keys``)."""
     dtype = torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
     shapes = []
     limit = keep_limit(kernel, d, dv, dtype.itemsize)
@@ -174,9 +175,9 @@ def prompt_buffers(
         K = len(kernel.kernel_kv_heads) if isinstance(kernel, ExactHeadsKernel) else kernel.num_kv_heads
         shapes += [((batch, K, capacity, d), dtype), ((batch, K, capacity, dv), dtype)]
     if isinstance(kernel, ExactHeadsKernel):
-        # start's exact_state (n slots and spare), else the kernel's own prompt (the prompt's end and spare); the
-        # exact heads compute on fp32 inputs (oal.models.hooks widens a bf16 model's)
-        capacity = (n if keeps else context_end(n)) + spare_slots(GROWTH)
+        # start's exact_state or the kernel's own prompt: room to the prompt's end and spare slots; the exact heads
+        # compute on fp32 inputs (oal.models.hooks widens a bf16 model's)
+        capacity = context_end(n) + spare_slots(GROWTH)
         shapes += kernel.buffer_shapes(batch, capacity, d, dv, kernel.kv_dtype or torch.float32, bounds=True)
     return shapes
 

@@ -281,21 +281,25 @@ def _forward(base_forward, model: PreTrainedModel, source: torch.Tensor, kwargs:
     if use_cache is None:
         use_cache = getattr(model.config, "use_cache", True)
     past = cache.get_seq_length() if isinstance(cache, Cache) else 0
-    # a prompt in one call finds its cache's buffers allocated before its first layer (state_cache)
+    # a prompt finds its cache's buffers allocated before its first layer (state_cache.reserved_for_prompt)
     prompt = n > 1 and use_cache and (attention_mask is None or bool(attention_mask.all()))
-    reserve = reserved_for_prompt(model, cache, source.shape[0], n) if prompt else nullcontext()
+
+    def reserved(cache):
+        return reserved_for_prompt(model, cache, source.shape[0], n) if prompt else nullcontext()
+
     if not _chunkable(
         n, chunk, past, attention_mask, position_ids, cache, kwargs.get("labels"), use_cache, logits_to_keep, rest
     ):
-        with reserve:
+        with reserved(cache):
             return base_forward(model, **kwargs)
     if n <= ONE_CALL_CHUNKS * chunk and model.dtype == torch.float32:
-        with mlp_in_pieces(model, chunk), reserve:
+        with mlp_in_pieces(model, chunk), reserved(cache):
             return base_forward(model, **kwargs)
     if cache is None:
         cache = DynamicCache(config=model.config)
     logits, out = [], None
-    with kept_form.prompt_end(past + n):  # the layers know where the prompt ends
+    # the layers know where the prompt ends; its first chunk takes the buffers reserved for the whole prompt
+    with kept_form.prompt_end(past + n), reserved(cache):
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
             if start and release:

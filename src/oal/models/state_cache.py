@@ -393,9 +393,10 @@ def cache_nbytes(cache: Cache) -> int:
 
 @contextlib.contextmanager
 def reserved_for_prompt(model: torch.nn.Module, cache: object, batch: int, n: int) -> Iterator[None]:
-    """Within it, a CPU inference prompt of ``n`` tokens (``batch`` rows) in one call into ``cache``'s empty
-    converted and softmax entries (:class:`KernelStateLayer`, :class:`ExactKVLayer`, as :class:`KernelCache` makes
-    them) finds the buffers each layer's cache will keep already allocated, every layer's before the first layer runs
+    """Within it, a CPU inference prompt of ``n`` tokens (``batch`` rows; in one call, or in chunks within
+    :func:`oal.kernels.base.prompt_end`, whose first chunk takes them) into ``cache``'s empty converted and softmax
+    entries (:class:`KernelStateLayer`, :class:`ExactKVLayer`, as :class:`KernelCache` makes them) finds the buffers
+    each layer's cache will keep already allocated, every layer's before the first layer runs
     (:func:`oal.kernels.kept.prompt_buffers`; :func:`oal.kernels.base.reserved_buffers`). Allocated amid each layer's
     transients, a kept buffer pinned the freed blocks around it and malloc's heap grew layer after layer: a 1k prompt's
     peak RSS held 17–45 MB of freed heap beside 34 MB of cache (stop 51). Buffers a layer does not take are freed at
