@@ -399,7 +399,7 @@ def reserved_for_prompt(model: torch.nn.Module, cache: object, batch: int, n: in
     each layer's cache will keep already allocated, every layer's before the first layer runs
     (:func:`oal.kernels.kept.prompt_buffers`; :func:`oal.kernels.base.reserved_buffers`). Allocated amid each layer's
     transients, a kept buffer pinned the freed blocks around it and malloc's heap grew layer after layer: a 1k prompt's
-    peak RSS held 17–45 MB of freed heap beside 34 MB of cache (stop 51). Buffers a layer does not take are freed at
+    peak RSS held 20–33 MB of freed heap beside 34 MB of cache (stop 51). Buffers a layer does not take are freed at
     its end; none are reserved elsewhere (autograd, other devices, a cache with tokens, other entries)."""
     from .hooks import attached_kernels
 
