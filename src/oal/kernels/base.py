@@ -99,6 +99,13 @@ def context_end(end: int) -> int:
     return end if hint is None else max(end, hint)
 
 
+def prompt_room(end: int, growth: int = GROWTH) -> int:
+    """Slots of a cache buffer that a call reaching position ``end`` allocates: room to the prompt's end
+    (:func:`context_end`) and the layer's :func:`spare_slots` for a buffer grown by ``growth`` slots. The one
+    formula the buffers' allocations and the prompt's reserve (:func:`oal.kernels.kept.prompt_buffers`) share."""
+    return context_end(end) + spare_slots(growth)
+
+
 def in_prompt() -> bool:
     """Whether the caller is a prompt in chunks (:func:`prompt_end`)."""
     return _PROMPT_END.get() is not None

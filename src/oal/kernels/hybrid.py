@@ -24,15 +24,13 @@ from ..ops import page_select
 from ..ops.quadratic import cpu as cpu_kernels
 from ..ops.softmax import softmax_at_end
 from .base import (
-    GROWTH,
     AttentionKernel,
     KeptKV,
     cache_empty,
     check_positions,
-    context_end,
     in_prompt,
+    prompt_room,
     repeat_kv,
-    spare_slots,
     with_kept,
 )
 from .oal import OALKernel, oal_attention, oal_coefficients, oal_factor
@@ -535,16 +533,14 @@ class ExactHeadsKernel(AttentionKernel):
                     k,
                     v,
                     kv_dtype,
-                    context_end(past + n) + spare_slots(GROWTH) if output_final_state else past + n,
-                    kept=output_final_state,
+                    prompt_room(past + n) if output_final_state else past + n,
+                    lasting=output_final_state,
                 )
                 for buf, x in zip(bufs, old, strict=True):
                     buf[:, :, :past] = x[:, :, :past]
         else:
             reuse = False
-            bufs = self._exact_buffers(
-                k, v, kv_dtype, context_end(n) + spare_slots(GROWTH) if output_final_state else n, output_final_state
-            )
+            bufs = self._exact_buffers(k, v, kv_dtype, prompt_room(n) if output_final_state else n, output_final_state)
         kn, vn = _heads(k, ex), _heads(v, ex)
         if int8:
             (qk, sk), (qv, sv) = quantize_int8(kn), quantize_int8(vn)
@@ -619,12 +615,12 @@ class ExactHeadsKernel(AttentionKernel):
         return bounds
 
     def _exact_buffers(
-        self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, capacity: int, kept: bool = True
+        self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, capacity: int, lasting: bool = True
     ) -> tuple:
         """Empty ``(B, E, capacity, ·)`` key and value buffers of the exact heads in ``dtype``, and for int8 their
-        ``(B, E, capacity)`` fp32 scale buffers after them (:meth:`buffer_shapes`); ``kept``: buffers the state keeps
+        ``(B, E, capacity)`` fp32 scale buffers after them (:meth:`buffer_shapes`); ``lasting``: buffers the state keeps
         (:func:`~oal.kernels.base.cache_empty`: reserved ones first), else a call's own."""
-        empty = cache_empty if kept else (lambda like, *shape, dtype: like.new_empty(shape, dtype=dtype))
+        empty = cache_empty if lasting else (lambda like, *shape, dtype: like.new_empty(shape, dtype=dtype))
         shapes = self.buffer_shapes(k.shape[0], capacity, k.shape[-1], v.shape[-1], dtype)
         return tuple(empty(k, *shape, dtype=dt) for shape, dt in shapes)
 
@@ -654,7 +650,7 @@ class ExactHeadsKernel(AttentionKernel):
         if kv_dtype == torch.int8:
             (qk, sk), (qv, sv) = quantize_int8(kn), quantize_int8(vn)
             parts = (qk, qv, sk, sv)  # the order of _exact_buffers
-        bufs = self._exact_buffers(k, v, kv_dtype, context_end(offset) + spare_slots(GROWTH))
+        bufs = self._exact_buffers(k, v, kv_dtype, prompt_room(offset))
         for buf, x in zip(bufs, parts, strict=True):
             buf[:, :, :offset] = x
         scales = bufs[2:] if kv_dtype == torch.int8 else (None, None)

@@ -27,7 +27,7 @@ import torch
 from ..ops.quadratic import cpu as cpu_kernel
 from ..ops.quadratic.utils import cyclic_features, cyclic_maps, cyclic_width, feature_dim
 from ..ops.sink_window import SinkWindowState
-from .base import GROWTH, KEPT_GROWTH, KeptKV, cache_empty, context_end, prompt_end, spare_slots, with_kept
+from .base import KEPT_GROWTH, KeptKV, cache_empty, context_end, prompt_end, prompt_room, with_kept
 from .hybrid import ExactHeadsKernel, ExactHeadsState
 from .oal import OALKernel
 from .sink_window import SinkWindowKernel, kernel_at_end
@@ -122,6 +122,20 @@ def take_regrown() -> bool:
     return grew
 
 
+def _keeps(n: int, limit: int) -> bool:
+    """Whether a prompt of ``n`` tokens from no state (to the prompt's end, :func:`prompt_end`) keeps keys and
+    values under ``limit`` (:func:`keep_limit`) and has the fused decode kernel to continue with."""
+    return n > 0 and context_end(n) <= limit and cpu_kernel.load("decode") is not None
+
+
+def _kept_capacity(n: int, limit: int) -> int:
+    """Slots of the kept keys' buffers after a prompt of ``n`` tokens: room for the rest of a prompt in chunks (its
+    later chunks write into it: with_kept), then the layer's share of spare slots (< KEPT_GROWTH, a few KB per head),
+    so that the decode steps after the prompt grow one or two layers' buffers at a time instead of all at the first;
+    never past ``limit``."""
+    return min(prompt_room(n, KEPT_GROWTH), limit)
+
+
 def _buffer(x: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
     """``x (B, K, n, ·)`` copied into the first n slots of a contiguous ``dtype`` buffer of ``capacity`` slots."""
     out = cache_empty(x, x.shape[0], x.shape[1], capacity, x.shape[3], dtype=dtype)
@@ -141,15 +155,10 @@ def start(
     dtype = torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
     n, d, dv = k.shape[2], k.shape[3], v.shape[3]
     limit = keep_limit(kernel, d, dv, dtype.itemsize)
-    if n <= 0 or context_end(n) > limit or not _cpu_inference(kernel, q, k, v):
-        return None
-    if cpu_kernel.load("decode") is None:
+    if not _cpu_inference(kernel, q, k, v) or not _keeps(n, limit):
         return None
     o, _ = kernel(q, k, v)
-    # room for the rest of a prompt in chunks (its later chunks write into it: with_kept), then the layer's share
-    # of spare slots (< KEPT_GROWTH, a few KB per head), so that the decode steps after the prompt grow one or two
-    # layers' buffers at a time instead of all at the first
-    capacity = min(context_end(n) + spare_slots(KEPT_GROWTH), limit)
+    capacity = _kept_capacity(n, limit)
     kept = KeptKV(_buffer(_kept_heads(kernel, k), capacity, dtype), _buffer(_kept_heads(kernel, v), capacity, dtype), n)
     if isinstance(kernel, ExactHeadsKernel):
         return o, kernel.exact_state(k, v, kept, n)
@@ -169,16 +178,14 @@ def prompt_buffers(
     dtype = torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
     shapes = []
     limit = keep_limit(kernel, d, dv, dtype.itemsize)
-    keeps = keep and limit > 0 and 0 < context_end(n) <= limit and cpu_kernel.load("decode") is not None
-    if keeps:
-        capacity = min(context_end(n) + spare_slots(KEPT_GROWTH), limit)
+    if keep and _keeps(n, limit):
+        capacity = _kept_capacity(n, limit)
         K = len(kernel.kernel_kv_heads) if isinstance(kernel, ExactHeadsKernel) else kernel.num_kv_heads
         shapes += [((batch, K, capacity, d), dtype), ((batch, K, capacity, dv), dtype)]
     if isinstance(kernel, ExactHeadsKernel):
-        # start's exact_state or the kernel's own prompt: room to the prompt's end and spare slots; the exact heads
-        # compute on fp32 inputs (oal.models.hooks widens a bf16 model's)
-        capacity = context_end(n) + spare_slots(GROWTH)
-        shapes += kernel.buffer_shapes(batch, capacity, d, dv, kernel.kv_dtype or torch.float32, bounds=True)
+        # start's exact_state or the kernel's own prompt; the exact heads compute on fp32 inputs (oal.models.hooks
+        # widens a bf16 model's)
+        shapes += kernel.buffer_shapes(batch, prompt_room(n), d, dv, kernel.kv_dtype or torch.float32, bounds=True)
     return shapes
 
 

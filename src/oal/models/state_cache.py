@@ -35,7 +35,7 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..kernels import kept as kept_form
-from ..kernels.base import cache_empty, context_end, model_layer, reserved_buffers, spare_slots
+from ..kernels.base import cache_empty, context_end, model_layer, prompt_room, reserved_buffers
 from ..kernels.decode import GROWTH
 
 __all__ = [
@@ -266,14 +266,13 @@ class ExactKVLayer(DynamicLayer):
         if not self._owns_views() or used + n > self._kbuf.shape[2]:
             # a prompt into an empty cache gets only the layer's share of spare slots: all GROWTH would raise the
             # prefill's peak memory, none would make every softmax layer grow at the first step at once
-            with model_layer(self.layer_idx):
-                spare = GROWTH if used else spare_slots(GROWTH)
-            if used:
-                kept_form.note_regrown()
             # a prompt in chunks (oal.models.prefill) gets room for all of it at its first chunk: regrown at every
             # chunk, each softmax layer copied its keys and values once a chunk and left the smaller buffer behind
             # amid the chunk's freed activations
-            capacity = context_end(used + n) + spare
+            with model_layer(self.layer_idx):
+                capacity = context_end(used + n) + GROWTH if used else prompt_room(n)
+            if used:
+                kept_form.note_regrown()
             with reserved_buffers(self.reserve):
                 kbuf = cache_empty(key_states, *key_states.shape[:2], capacity, key_states.shape[3])
                 vbuf = cache_empty(value_states, *value_states.shape[:2], capacity, value_states.shape[3])
@@ -415,7 +414,7 @@ def reserved_for_prompt(model: torch.nn.Module, cache: object, batch: int, n: in
                 shapes = kept_form.prompt_buffers(kernel, batch, n, d, d, model.dtype, entry.keep_keys)
             elif isinstance(entry, ExactKVLayer) and not entry.is_initialized:
                 d = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-                shape = (batch, text.num_key_value_heads, context_end(n) + spare_slots(GROWTH), d)
+                shape = (batch, text.num_key_value_heads, prompt_room(n), d)
                 shapes = [(shape, model.dtype)] * 2
             else:
                 continue
