@@ -69,6 +69,25 @@ def test_kept_decode_matches_naive_across_the_limit(kind, Hq, Hkv, n_prefill):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_state_weights_are_built_where_the_kept_form_folds(kind):
+    """The state's query weights (Eq. 6's query side) are not built for steps from kept keys, and are by the step
+    that folds them."""
+    from oal.kernels import decode
+
+    d, Hq, Hkv = 16, 9, 3
+    kernel = make_kernel(kind, Hq, Hkv, d, exact=(Hkv - 1,))
+    limit = keep_limit(kernel, d, d)
+    q, k, v = (x.float() for x in make_qkv(1, Hq, Hkv, limit + 2, d))
+    _, _, lengths = run_kept(kernel, q[:, :, :limit], k[:, :, :limit], v[:, :, :limit], limit - 3)
+    assert lengths[-1] == limit and getattr(kernel, decode._STATE_WEIGHTS_ATTR, None) is None
+    got, _, lengths = run_kept(kernel, q, k, v, limit - 3)
+    assert lengths[-1] is None and getattr(kernel, decode._STATE_WEIGHTS_ATTR, None) is not None
+    torch.testing.assert_close(
+        got.double(), reference(kernel, q.double(), k.double(), v.double()), atol=2e-5, rtol=1e-4
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n", [1, 3, 5, 9, 20])
 @pytest.mark.parametrize("d", [7, 8])
 def test_fold_is_the_kernels_own_state(kind, n, d):

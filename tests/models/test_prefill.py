@@ -493,8 +493,9 @@ def test_a_decode_step_that_grew_a_cache_buffer_releases_after_it(make_model, mo
     assert "release" not in events
 
 
+@pytest.mark.parametrize("keep_keys", [True, False])
 @pytest.mark.parametrize("kind", ["oal", "sink_window_exact_heads"])
-def test_a_prompt_builds_the_decode_constants_the_steps_reuse(make_model, monkeypatch, kind):
+def test_a_prompt_builds_the_decode_constants_the_steps_reuse(make_model, monkeypatch, kind, keep_keys):
     from oal.kernels import decode
 
     if decode.cpu_kernel.load("decode") is None:
@@ -503,15 +504,18 @@ def test_a_prompt_builds_the_decode_constants_the_steps_reuse(make_model, monkey
     kernels = [m for m in model.modules() if isinstance(m, decode.ExactHeadsKernel | decode.OALKernel)]
     kernels = [m for m in kernels if not any(m in other.modules() for other in kernels if other is not m)]
     assert kernels
-    cache = KernelCache(model)
+    cache = KernelCache(model, keep_keys=keep_keys)
     with torch.no_grad():
         out = model(input_ids=prompt(1, 12), cache=cache)
         assert all(getattr(m, decode._CONSTANTS_ATTR, None) is not None for m in kernels)
+        # the state's query weights: built by a prompt that leaves a state, not by one that keeps its keys
+        assert all((getattr(m, decode._STATE_WEIGHTS_ATTR, None) is None) == keep_keys for m in kernels)
 
         def built_again(*args, **kwargs):
             raise AssertionError("a decode step built the constants again")
 
         monkeypatch.setattr(decode, "query_weights", built_again)
+        monkeypatch.setattr(decode, "oal_factor", built_again)
         nxt = out.logits[:, -1:].argmax(-1)
         for _ in range(3):
             nxt = model(input_ids=nxt, cache=cache).logits[:, -1:].argmax(-1)

@@ -45,6 +45,7 @@ from .sink_window import SinkWindowKernel
 __all__ = ["GROWTH", "decode_step", "prepare_decode", "softmax_decode_step"]
 
 _CONSTANTS_ATTR = "_oal_decode_constants"
+_STATE_WEIGHTS_ATTR = "_oal_decode_state_weights"
 _EMPTY = torch.empty(0)
 
 
@@ -60,33 +61,56 @@ def _parts(kernel) -> tuple[OALKernel, SinkWindowKernel | None, tuple[int, ...],
     return oal, sw, (), tuple(range(kernel.num_kv_heads)), tuple(range(kernel.num_heads))
 
 
-def _constants(kernel) -> tuple[torch.Tensor, ...]:
-    """``(exact KV heads, kernel KV heads, query weights (K·G, D), β (K·G,), factor W (K·G, R, d), c (K·G, R),
-    c0 (K·G,))`` as fp32 / int64 CPU tensors (Eq. 6's query side for the state, Eq. 7's factor for kept keys),
-    cached on the kernel and recomputed when any of its parameters changes (version counter or storage)."""
-    params = tuple(kernel.parameters())
-    key = tuple((p.data_ptr(), p._version) for p in params)
-    cached = getattr(kernel, _CONSTANTS_ATTR, None)
+def _cached(kernel, attr: str, build) -> tuple[torch.Tensor, ...]:
+    """``build(kernel)``, cached on the kernel under ``attr`` and rebuilt when any of its parameters changes
+    (version counter or storage)."""
+    key = tuple((p.data_ptr(), p._version) for p in kernel.parameters())
+    cached = getattr(kernel, attr, None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    oal, sw, exact, rest, kq = _parts(kernel)
-    D = feature_dim(kernel.head_dim)
-    if not kq:  # every head exact
-        consts = (torch.tensor(exact, dtype=torch.long), torch.empty(0, dtype=torch.long), torch.empty(0, D), _EMPTY)
-        consts += (_EMPTY.view(0, 0, 0), _EMPTY.view(0, 0), _EMPTY)
-        object.__setattr__(kernel, _CONSTANTS_ATTR, (key, consts))
-        return consts
     with torch.no_grad():
-        hq = torch.tensor(kq, dtype=torch.long)
-        groups, L = oal.groups.index_select(0, hq), oal.L.float().index_select(0, hq)
-        a, b, C = oal_coefficients(groups, L, oal.eps)
-        wq = query_weights(a, b, C, kernel.scale).contiguous()
-        beta = (sw.beta.float().index_select(0, hq) if sw is not None else torch.zeros(len(kq))).contiguous()
-        factor = oal_factor(groups, L, oal.eps)
-    consts = (torch.tensor(exact, dtype=torch.long), torch.tensor(rest, dtype=torch.long), wq, beta)
-    consts += tuple(x.float().contiguous() for x in (factor.W, factor.c, factor.c0))
-    object.__setattr__(kernel, _CONSTANTS_ATTR, (key, consts))
-    return consts
+        value = build(kernel)
+    object.__setattr__(kernel, attr, (key, value))
+    return value
+
+
+def _constants(kernel) -> tuple[torch.Tensor, ...]:
+    """``(exact KV heads, kernel KV heads, β (K·G,), factor W (K·G, R, d), c (K·G, R), c0 (K·G,))`` as fp32 /
+    int64 CPU tensors (Eq. 7's factor for kept keys), cached on the kernel (:func:`_cached`)."""
+    return _cached(kernel, _CONSTANTS_ATTR, _build_constants)
+
+
+def _build_constants(kernel) -> tuple[torch.Tensor, ...]:
+    oal, sw, exact, rest, kq = _parts(kernel)
+    if not kq:  # every head exact
+        return (torch.tensor(exact, dtype=torch.long), torch.empty(0, dtype=torch.long), _EMPTY) + (
+            _EMPTY.view(0, 0, 0),
+            _EMPTY.view(0, 0),
+            _EMPTY,
+        )
+    hq = torch.tensor(kq, dtype=torch.long)
+    groups, L = oal.groups.index_select(0, hq), oal.L.float().index_select(0, hq)
+    beta = (sw.beta.float().index_select(0, hq) if sw is not None else torch.zeros(len(kq))).contiguous()
+    factor = oal_factor(groups, L, oal.eps)
+    consts = (torch.tensor(exact, dtype=torch.long), torch.tensor(rest, dtype=torch.long), beta)
+    return consts + tuple(x.float().contiguous() for x in (factor.W, factor.c, factor.c0))
+
+
+def _state_weights(kernel) -> torch.Tensor:
+    """The query side of Eq. 6 for the state, ``wq (K·G, D)`` fp32: read only by steps from a state, not from
+    kept keys, so built apart from :func:`_constants` and only where a state is there (SmolLM2's 24 kernel layers:
+    1.8 MB that a 1k context in the kept form never reads)."""
+    return _cached(kernel, _STATE_WEIGHTS_ATTR, _build_state_weights)
+
+
+def _build_state_weights(kernel) -> torch.Tensor:
+    oal, _, _, _, kq = _parts(kernel)
+    if not kq:
+        return torch.empty(0, feature_dim(kernel.head_dim))
+    hq = torch.tensor(kq, dtype=torch.long)
+    groups, L = oal.groups.index_select(0, hq), oal.L.float().index_select(0, hq)
+    a, b, C = oal_coefficients(groups, L, oal.eps)
+    return query_weights(a, b, C, kernel.scale).contiguous()
 
 
 def _on_cpu(*tensors: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
@@ -106,13 +130,17 @@ def _usable(kernel, q, k, v, *, any_length: bool = False) -> bool:
     return cpu_kernel.load("decode") is not None
 
 
-def prepare_decode(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def prepare_decode(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object = None) -> None:
     """Build the kernel's decode constants (:func:`_constants`) during a prompt (q ``(B, Hq, N, d)``) whose
     one-token steps will take :func:`decode_step`, so that the first step allocates no more than the later ones:
     built at the first step, their transients (index / gather / where over every query head, ~6 MB over
-    SmolLM2's 30 layers) were that step's peak above the prompt's."""
+    SmolLM2's 30 layers) were that step's peak above the prompt's. Given the state the prompt left (``state``),
+    also the state's query weights (:func:`_state_weights`) unless it is a kept form: a kept form's steps build
+    them where they fold it, beside the state they allocate there."""
     if _usable(kernel, q, k, v, any_length=True):
         _constants(kernel)
+        if state is not None and kept_form.kept_of(state) is None:
+            _state_weights(kernel)
 
 
 def _grown(x: torch.Tensor, used: int) -> torch.Tensor:
@@ -199,7 +227,8 @@ def decode_step(
             return None
         if S.shape[2] != feature_dim(kernel.head_dim):
             return None
-    exact_idx, kern_idx, wq, beta, fw, fc, fc0 = _constants(kernel)
+    exact_idx, kern_idx, beta, fw, fc, fc0 = _constants(kernel)
+    wq = _state_weights(kernel) if rest and not kept else _EMPTY.view(0, 0)
     B, Hq, _, d = q.shape
     dv = v.shape[-1]
     out = q.new_empty(B, Hq, dv)

@@ -41,6 +41,7 @@ __all__ = [
     "fold_point",
     "grown",
     "keep_limit",
+    "kept_of",
     "needs_autograd",
     "note_regrown",
     "prompt_buffers",
@@ -241,7 +242,8 @@ def fold(kernel, state: object) -> object:
     return state
 
 
-def _kept_of(state: object) -> KeptKV | None:
+def kept_of(state: object) -> KeptKV | None:
+    """The kept form in ``state`` (itself, or an exact-heads state's inner part), or None."""
     if isinstance(state, ExactHeadsState):
         state = state.inner
     return state if isinstance(state, KeptKV) else None
@@ -263,7 +265,7 @@ def extend(
     on the kept form folded into a transient state (the same arithmetic as a cache that had kept the state). None
     where it does not apply (as :func:`start`, or a state that is not a kept form, or a context past the fold point:
     then the caller folds for good)."""
-    kept = _kept_of(state)
+    kept = kept_of(state)
     if kept is None:
         return None
     n, d, dv = k.shape[2], k.shape[3], v.shape[3]

@@ -274,9 +274,16 @@ def _step(kernel: AttentionKernel, q, k, v, state, past: int, keep: bool, layer_
 
 
 def _step_in_layer(kernel, q, k, v, state, past: int, keep: bool, layer_idx: int, model_dtype: torch.dtype):
+    if q.shape[2] == 1:
+        return _new_tokens(kernel, q, k, v, state, past, keep, layer_idx, model_dtype)
+    prepare_decode(kernel, q, k, v)
+    o, state = _new_tokens(kernel, q, k, v, state, past, keep, layer_idx, model_dtype)
+    prepare_decode(kernel, q, k, v, state)  # the state's own constants too, unless the prompt kept its keys
+    return o, state
+
+
+def _new_tokens(kernel, q, k, v, state, past: int, keep: bool, layer_idx: int, model_dtype: torch.dtype):
     n = q.shape[2]
-    if n > 1:
-        prepare_decode(kernel, q, k, v)
     if keep and state is None:
         started = kept_form.start(kernel, q, k, v, model_dtype)
         if started is not None:
