@@ -139,16 +139,33 @@ def test_a_prompt_of_two_chunks(make_model, monkeypatch, dtype):
     want, _ = run(model, ids, 0, steps=2)
     calls, pieces = base_calls(model, monkeypatch), []
     in_pieces = prefill._in_pieces
-    monkeypatch.setattr(prefill, "_in_pieces", lambda f, rows, x: pieces.append(x.shape[-2]) or in_pieces(f, rows, x))
+    monkeypatch.setattr(
+        prefill, "_in_pieces", lambda f, rows, x: pieces.append((x.shape[-2], rows)) or in_pieces(f, rows, x)
+    )
     got, _ = run(model, ids, 16, steps=2)
     layers = len(model.base_model.layers)
     if dtype == torch.float32:  # the decode steps after it run the MLPs as they are
-        assert calls[:2] == [32, 1] and pieces == [32] * layers
+        assert calls[:2] == [32, 1] and pieces == [(32, 16)] * layers
     else:
         assert calls[:2] == [16, 16] and not pieces
     assert not any("forward" in vars(layer.mlp) for layer in model.base_model.layers)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=5e-5 if dtype == torch.float32 else 5e-2)
+
+
+def test_one_call_mlp_pieces_are_at_most_mlp_piece_rows(make_model, monkeypatch):
+    """A chunk longer than MLP_PIECE_ROWS: the one call's MLPs run in pieces of MLP_PIECE_ROWS rows."""
+    monkeypatch.setattr(prefill, "MLP_PIECE_ROWS", 8)
+    model = model_of(make_model, "oal")
+    ids = prompt(1, 40)
+    want, _ = run(model, ids, 0, steps=1)
+    calls, rows = base_calls(model, monkeypatch), []
+    in_pieces = prefill._in_pieces
+    monkeypatch.setattr(prefill, "_in_pieces", lambda f, r, x: rows.append(r) or in_pieces(f, r, x))
+    got, _ = run(model, ids, 20, steps=1)
+    assert calls[0] == 40 and rows == [8] * len(model.base_model.layers)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=5e-5)
 
 
 def test_mlp_in_pieces_gives_the_rows_of_one_call(make_model):

@@ -10,16 +10,16 @@ blocks the allocator keeps between layers; a chunk bounds both. transformers run
 one call (``generate`` included), so its prefill peak grows with the prompt beyond its KV cache.
 
 A prompt of at most one chunk runs in one call, and so does an fp32 model's prompt of at most :data:`ONE_CALL_CHUNKS`
-chunks, with its MLPs in row pieces of a chunk (:func:`mlp_in_pieces`: the MLP is position-wise, so the pieces give
-the same rows; its three ``N × intermediate`` products are a layer's largest transients): SmolLM2's 1k fp32 prompt in
-two 512-token chunks ran 0.89–0.90× the original's speed side by side, in one call with MLP pieces 0.98–1.03× (its
-weights streamed once, the second MLP piece reading what the first left in the cache), its peak 1.3–1.7 MB above the
-chunks' (stop 47). A bf16 model keeps the chunks: there the recipe's one call peaked 8 MB above them, at the
-original's. Longer prompts run in chunks. No chunk folds keys into a state: below the kept form's limit a later
-chunk's queries are evaluated over the kept and the new keys (:func:`oal.kernels.kept.extend`: the logits of one call;
-a 1k bf16 prompt in two chunks took 1.21–1.29 s against the original's one call's 1.24–1.35 s and held 5–11 MB less
-live data than one call, stop 42), and a converted layer told that the prompt will outgrow its kept form
-(:func:`oal.kernels.kept.prompt_end`) builds its state from the first chunk.
+chunks, with its MLPs in row pieces (:func:`mlp_in_pieces`: the MLP is position-wise, so the pieces give the same rows;
+its three ``N × intermediate`` products are a layer's largest transients) of a chunk's rows, at most
+:data:`MLP_PIECE_ROWS`: SmolLM2's 1k fp32 prompt in two 512-token chunks ran 0.89–0.90× the original's speed side by
+side, in one call with MLP pieces 0.98–1.03× (its weights streamed once, the second MLP piece reading what the first
+left in the cache), its peak 1.3–1.7 MB above the chunks' (stop 47). A bf16 model keeps the chunks: there the recipe's
+one call peaked 8 MB above them, at the original's. Longer prompts run in chunks. No chunk folds keys into a state:
+below the kept form's limit a later chunk's queries are evaluated over the kept and the new keys
+(:func:`oal.kernels.kept.extend`: the logits of one call; a 1k bf16 prompt in two chunks took 1.21–1.29 s against the
+original's one call's 1.24–1.35 s and held 5–11 MB less live data than one call, stop 42), and a converted layer told
+that the prompt will outgrow its kept form (:func:`oal.kernels.kept.prompt_end`) builds its state from the first chunk.
 
 It applies where nothing else can tell the difference: inference (no autograd), no labels, no attention or
 hidden-state outputs, a 2-D (or no) attention mask, and a cache to carry the chunks (a :class:`DynamicCache` is
@@ -70,6 +70,7 @@ __all__ = [
     "CONFIG_CHUNK_KEY",
     "CONFIG_RELEASE_KEY",
     "DEFAULT_PREFILL_CHUNK",
+    "MLP_PIECE_ROWS",
     "ONE_CALL_CHUNKS",
     "RELEASE_MIN_TOKENS",
     "chunked_forward",
@@ -92,6 +93,11 @@ DEFAULT_PREFILL_CHUNK = 512
 LONG_PROMPT = 4096
 #: an fp32 model's prompts of at most this many chunks run in one call, their MLPs in pieces of a chunk's rows
 ONE_CALL_CHUNKS = 2
+#: ... and of at most this many rows: a piece's transients (SmolLM2: 3 × rows × 1536 fp32, 4.7 MB at 256 rows) are what
+#: a one-call prompt's peak rises by above what it keeps. At 1k tokens 256-row pieces peaked 7 MB (the recipe) and 6 MB
+#: (plain OAL, mean) below 512-row ones, plain OAL below the original's warm peak in 4 of 4 rounds instead of 1 of 4,
+#: at 0.99× (the recipe) and 0.95× (plain OAL) the 512-row prompts' speed, medians of 8 rounds side by side (stop 52)
+MLP_PIECE_ROWS = 256
 #: the config attribute that switches the release of the freed heap before the output layer (default on)
 CONFIG_RELEASE_KEY = "oal_release_prompt_heap"
 #: prompts (batch × length) below this skip the release: their freed activations are a few MB
@@ -293,7 +299,7 @@ def _forward(base_forward, model: PreTrainedModel, source: torch.Tensor, kwargs:
         with reserved(cache):
             return base_forward(model, **kwargs)
     if n <= ONE_CALL_CHUNKS * chunk and model.dtype == torch.float32:
-        with mlp_in_pieces(model, chunk), reserved(cache):
+        with mlp_in_pieces(model, min(chunk, MLP_PIECE_ROWS)), reserved(cache):
             return base_forward(model, **kwargs)
     if cache is None:
         cache = DynamicCache(config=model.config)
