@@ -95,7 +95,7 @@ LONG_PROMPT = 4096
 ONE_CALL_CHUNKS = 2
 #: ... and of at most this many rows: a piece's transients (SmolLM2: 3 × rows × 1536 fp32, 4.7 MB at 256 rows) are what
 #: a one-call prompt's peak rises by above what it keeps. At 1k tokens 256-row pieces peaked 7 MB (the recipe) and 6 MB
-#: (plain OAL, mean) below 512-row ones, plain OAL below the original's warm peak in 4 of 4 rounds instead of 1 of 4,
+#: (plain OAL, mean) below 512-row ones, plain OAL below the original's warm peak in 4 of 4 rounds instead of 2 of 4,
 #: at 0.99× (the recipe) and 0.95× (plain OAL) the 512-row prompts' speed, medians of 8 rounds side by side (stop 52)
 MLP_PIECE_ROWS = 256
 #: the config attribute that switches the release of the freed heap before the output layer (default on)
