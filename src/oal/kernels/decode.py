@@ -80,16 +80,18 @@ def _constants(kernel) -> tuple[torch.Tensor, ...]:
     return _cached(kernel, _CONSTANTS_ATTR, _build_constants)
 
 
+def _kernel_query_heads(oal: OALKernel, kq: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(query head indices, their groups, their L as fp32)`` for the kernel query heads ``kq``."""
+    hq = torch.tensor(kq, dtype=torch.long)
+    return hq, oal.groups.index_select(0, hq), oal.L.float().index_select(0, hq)
+
+
 def _build_constants(kernel) -> tuple[torch.Tensor, ...]:
     oal, sw, exact, rest, kq = _parts(kernel)
     if not kq:  # every head exact
-        return (torch.tensor(exact, dtype=torch.long), torch.empty(0, dtype=torch.long), _EMPTY) + (
-            _EMPTY.view(0, 0, 0),
-            _EMPTY.view(0, 0),
-            _EMPTY,
-        )
-    hq = torch.tensor(kq, dtype=torch.long)
-    groups, L = oal.groups.index_select(0, hq), oal.L.float().index_select(0, hq)
+        exact_idx, none = torch.tensor(exact, dtype=torch.long), torch.empty(0, dtype=torch.long)
+        return exact_idx, none, _EMPTY, _EMPTY.view(0, 0, 0), _EMPTY.view(0, 0), _EMPTY
+    hq, groups, L = _kernel_query_heads(oal, kq)
     beta = (sw.beta.float().index_select(0, hq) if sw is not None else torch.zeros(len(kq))).contiguous()
     factor = oal_factor(groups, L, oal.eps)
     consts = (torch.tensor(exact, dtype=torch.long), torch.tensor(rest, dtype=torch.long), beta)
@@ -107,8 +109,7 @@ def _build_state_weights(kernel) -> torch.Tensor:
     oal, _, _, _, kq = _parts(kernel)
     if not kq:
         return torch.empty(0, feature_dim(kernel.head_dim))
-    hq = torch.tensor(kq, dtype=torch.long)
-    groups, L = oal.groups.index_select(0, hq), oal.L.float().index_select(0, hq)
+    _, groups, L = _kernel_query_heads(oal, kq)
     a, b, C = oal_coefficients(groups, L, oal.eps)
     return query_weights(a, b, C, kernel.scale).contiguous()
 
