@@ -15,14 +15,18 @@ from oal.ops.quadratic import KernelFactor, chunk
 from oal.ops.quadratic import cpu as cpu_kernel
 
 EXT = cpu_kernel.load()
+PARALLEL_PREFIX = chunk.parallel_prefix
 pytestmark = pytest.mark.skipif(EXT is None, reason="the fused CPU kernel did not build (no C++ compiler?)")
 
 
-@pytest.fixture(autouse=True, params=["parallel", "chunked"])
+@pytest.fixture(autouse=True, params=["parallel", "chunked", "prefix"])
 def fresh_segment_path(request, monkeypatch):
-    """Every test runs twice: fresh segments (no initial state) in parallel form, and in the chunked loop;
-    ``chunk.parallel_pays`` chooses between them in use."""
+    """Every test runs three times: fresh segments (no initial state) in parallel form, in the chunked loop, and as
+    a prefix of 37 tokens in parallel form with the rest in the loop from the prefix's state;
+    ``chunk.parallel_pays`` and ``chunk.parallel_prefix`` choose among them in use."""
     monkeypatch.setattr(chunk, "PARALLEL_COST", 0.0 if request.param == "parallel" else math.inf)
+    if request.param == "prefix":
+        monkeypatch.setattr(chunk, "parallel_prefix", lambda *shape: 37)
     return request.param
 
 
@@ -204,7 +208,7 @@ def test_factor_from_coefficients_reproduces_the_kernel():
         torch.testing.assert_close(got[0], want, rtol=1e-9, atol=1e-12)
 
 
-def test_call_without_factor_reaches_the_fused_kernel(monkeypatch):
+def test_call_without_factor_reaches_the_fused_kernel(monkeypatch, fresh_segment_path):
     import oal.ops.quadratic.chunk as chunk
 
     calls = []
@@ -212,7 +216,7 @@ def test_call_without_factor_reaches_the_fused_kernel(monkeypatch):
     monkeypatch.setattr(chunk, "_forward_fused", lambda *a: calls.append(1) or real(*a))
     args, _, exact = problem(1, 9, 3, 300, 64, 64, torch.float32)
     o, state = quadratic_attention(*args, chunk_size=64, kernel_floor=1e-6, output_final_state=True)
-    assert calls == [1]
+    assert calls == ([1, 1] if fresh_segment_path == "prefix" else [1])  # a prefix: the rest from its state
     ref, ref_state = quadratic_attention(*exact, mode="naive", output_final_state=True)
     assert rel_rms(o, ref) < 1e-5 and rel_rms(state, ref_state) < 1e-5
 
@@ -235,8 +239,10 @@ def test_indefinite_kernel_without_factor_stays_on_the_torch_loop(monkeypatch):
 
 def test_parallel_form_is_chosen_by_its_cost_and_reached_by_the_documented_call(monkeypatch):
     """With the measured cost, a SmolLM2-shaped fresh segment of 1000 tokens runs in parallel form and one of 3000
-    in the chunked loop; a segment with an initial state always in the loop. Outputs agree either way."""
+    its first ``parallel_prefix`` tokens (a multiple of 16 below 1000) in parallel form, the rest in the chunked loop
+    from their state; a segment with an initial state always in the loop. Outputs agree either way."""
     monkeypatch.setattr(chunk, "PARALLEL_COST", 1.0)
+    monkeypatch.setattr(chunk, "parallel_prefix", PARALLEL_PREFIX)  # the fixture's may stand in
     calls = []
     real = EXT.chunk_parallel_forward
 
@@ -249,7 +255,10 @@ def test_parallel_form_is_chosen_by_its_cost_and_reached_by_the_documented_call(
         args, factor, _ = problem(1, 9, 3, n, 64, 64, torch.float32, G=3)
         calls.clear()
         (o, state), (o_loop, state_loop) = both(args, factor, output_final_state=True)
-        assert calls == ([n] if parallel else [])
+        R, (_, P) = factor.c.shape[-1], chunk.channel_classes(factor.W)
+        prefix = PARALLEL_PREFIX(64, 64, R, P)
+        assert 0 < prefix < 1000 and prefix % 16 == 0
+        assert calls == ([n] if parallel else [prefix])
         assert rel_rms(o, o_loop) < 1e-6 and rel_rms(state, state_loop) < 1e-6
         calls.clear()
         quadratic_attention(*args, factor=factor, initial_state=state)

@@ -18,7 +18,10 @@ Layout choices, all for speed on CPUs and a small working set:
 * The intra-chunk kernel comes either from the feature product (any symmetric C) or, given a
   :class:`KernelFactor`, from R score matrices squared and summed (Eq. 7): R·(d+1) instead of D per pair.
 * Without autograd, on CPU, with a factor, the fused C++ kernel of :mod:`.cpu` runs the loop
-  (:func:`_forward_fused`): the same arithmetic in its own register-tiled kernel, features never written out.
+  (:func:`_forward_fused`): the same arithmetic in its own register-tiled kernel, features never written out. A
+  fresh segment (no initial state) runs in parallel form (the N×N kernel, causal, then one fold into the final
+  state) while that is cheaper (:func:`parallel_pays`); a longer one runs its first :func:`parallel_prefix` tokens
+  so and the rest in the loop from their state.
 * Otherwise without autograd (:func:`_forward_no_grad`) each (batch, KV head) runs on 2-D GEMMs with every per-chunk
   tensor written into a buffer allocated once (cache-hot writes are several times faster than fresh
   allocations) and the constant columns of ``[x, 1]`` and ``[v, 1]`` filled once.
@@ -356,6 +359,17 @@ def parallel_pays(n: int, d: int, dv: int, R: int, P: int) -> bool:
     return PARALLEL_COST * n / 2 * (d + R * P + R + dv + 1) < D * (dv + 1)
 
 
+def parallel_prefix(d: int, dv: int, R: int, P: int) -> int:
+    """The prefix of a fresh segment too long for the parallel form (``not parallel_pays(n, …)``) that runs in it
+    all the same, the chunked loop continuing from the prefix's state: in the cost model of :func:`parallel_pays`
+    the query at position t costs t pairs in parallel form and one readout in the loop, equal at t = T; a prefix of
+    T costs T² / 2 pairs where the loop's readouts cost T·D·(dv + 1), twice as much. Rounded down to a multiple of 16.
+    SmolLM2's shapes with 3 groups: 960; 0.92×, 0.94×, 0.93× the time of the faster whole form at 2048, 3072, 4096
+    tokens, 1.02× at 8192 (benchmarks/parallel_crossover.py, stop 53; flat for prefixes of 768–960)."""
+    D = 1 + d + d * (d + 1) // 2
+    return int(D * (dv + 1) / (PARALLEL_COST * (d + R * P + R + dv + 1))) // 16 * 16
+
+
 def _forward_fused(
     ext,
     q,
@@ -381,13 +395,22 @@ def _forward_fused(
     floor = -1.0 if kernel_floor is None else float(kernel_floor)
     weights = torch.empty(0) if key_weight is None else key_weight.to(f32).contiguous()
     n, d, dv, R = q.shape[2], q.shape[-1], v.shape[-1], fw.shape[2]
-    if initial_state is None and parallel_pays(n, d, dv, R, 1):  # the classes only where even one class could pay
+    if initial_state is None:
         rep, P = channel_classes(fw)
-        if parallel_pays(n, d, dv, R, P):
+        t = n if parallel_pays(n, d, dv, R, P) else min(n, parallel_prefix(d, dv, R, P))
+        if t > 0:  # the segment, or its prefix, in parallel form; the rest in the loop from the prefix's state
             o, dens, final = ext.chunk_parallel_forward(
-                q.contiguous(), k.contiguous(), v.contiguous(), fw, fc, c0, rep, weights, canon_of_cyc, floor,
-                output_final_state,
+                q[:, :, :t].contiguous(), k[:, :, :t].contiguous(), v[:, :, :t].contiguous(), fw, fc, c0, rep,
+                weights[:, :, :t].contiguous() if weights.numel() else weights, canon_of_cyc, floor,
+                output_final_state or t < n,
             )  # fmt: skip
+            if t < n:
+                rows = slice(t, None)
+                o_rest, dens_rest, final = _forward_fused(
+                    ext, q[:, :, rows], k[:, :, rows], v[:, :, rows], a, b, C, s, cs, final, output_final_state,
+                    factor, kernel_floor, None if key_weight is None else key_weight[:, :, rows], return_denominator,
+                )  # fmt: skip
+                o, dens = torch.cat((o, o_rest), 2), torch.cat((dens, dens_rest), -1) if return_denominator else None
             return o, dens if return_denominator else None, final if output_final_state else None
     state0 = torch.empty(0) if initial_state is None else initial_state.to(f32).contiguous()
     o, dens, final = ext.chunk_forward(
