@@ -22,6 +22,14 @@ from oal.kernels.oal import oal_coefficients, oal_factor
 from oal.ops.quadratic import quadratic_attention
 
 
+def choice(n: int, d: int) -> str:
+    """What the cost model runs a fresh segment of ``n`` tokens in (this benchmark's R = 4 squares, P = 3 classes)."""
+    if chunk.parallel_pays(n, d, d, 4, 3):
+        return "parallel"
+    prefix = chunk.parallel_prefix(n, d, d, 4, 3)
+    return f"parallel prefix of {prefix}, then chunked" if prefix else "chunked"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="256,512,1024,1536,2048,3072")
@@ -65,9 +73,7 @@ def main() -> None:
             **{f"{name}_ms": round(min(times[name]) * 1e3, 2) for name, _, t in ways if t is not None},
             "chunked_over_parallel": round(chk / par, 2),
             "default_over_best_forced": round(dft / min(par, chk), 2),
-            "cost_model_chooses": "parallel"
-            if chunk.parallel_pays(n, d, d, 4, 3)
-            else f"parallel prefix of {chunk.parallel_prefix(d, d, 4, 3)}, then chunked",
+            "cost_model_chooses": choice(n, d),
         }
         print(json.dumps(row), flush=True)
 

@@ -240,7 +240,8 @@ def test_indefinite_kernel_without_factor_stays_on_the_torch_loop(monkeypatch):
 def test_parallel_form_is_chosen_by_its_cost_and_reached_by_the_documented_call(monkeypatch):
     """With the measured cost, a SmolLM2-shaped fresh segment of 1000 tokens runs in parallel form and one of 3000
     its first ``parallel_prefix`` tokens (a multiple of 16 below 1000) in parallel form, the rest in the chunked loop
-    from their state; a segment with an initial state always in the loop. Outputs agree either way."""
+    from their state (not so a segment of ``PREFIX_SPAN`` prefixes); a segment with an initial state always in the
+    loop. Outputs agree either way."""
     monkeypatch.setattr(chunk, "PARALLEL_COST", 1.0)
     monkeypatch.setattr(chunk, "parallel_prefix", PARALLEL_PREFIX)  # the fixture's may stand in
     calls = []
@@ -256,8 +257,9 @@ def test_parallel_form_is_chosen_by_its_cost_and_reached_by_the_documented_call(
         calls.clear()
         (o, state), (o_loop, state_loop) = both(args, factor, output_final_state=True)
         R, (_, P) = factor.c.shape[-1], chunk.channel_classes(factor.W)
-        prefix = PARALLEL_PREFIX(64, 64, R, P)
+        prefix = PARALLEL_PREFIX(n, 64, 64, R, P)
         assert 0 < prefix < 1000 and prefix % 16 == 0
+        assert PARALLEL_PREFIX(chunk.PREFIX_SPAN * prefix, 64, 64, R, P) == 0  # long segments: no prefix
         assert calls == ([n] if parallel else [prefix])
         assert rel_rms(o, o_loop) < 1e-6 and rel_rms(state, state_loop) < 1e-6
         calls.clear()

@@ -349,6 +349,8 @@ def channel_classes(fw: torch.Tensor) -> tuple[torch.Tensor, int]:
 # The parallel form's cost per operation of the model below relative to the chunked loop's, measured
 # (benchmarks/parallel_crossover.py, 2 threads, SmolLM2 shapes: they cross at n ≈ 1800–1950, the count at 2035).
 PARALLEL_COST = 1.0
+#: segments this many parallel prefixes long or longer run whole in the chunked loop (:func:`parallel_prefix`)
+PREFIX_SPAN = 8
 
 
 def parallel_pays(n: int, d: int, dv: int, R: int, P: int) -> bool:
@@ -359,15 +361,18 @@ def parallel_pays(n: int, d: int, dv: int, R: int, P: int) -> bool:
     return PARALLEL_COST * n / 2 * (d + R * P + R + dv + 1) < D * (dv + 1)
 
 
-def parallel_prefix(d: int, dv: int, R: int, P: int) -> int:
-    """The prefix of a fresh segment too long for the parallel form (``not parallel_pays(n, …)``) that runs in it
-    all the same, the chunked loop continuing from the prefix's state: in the cost model of :func:`parallel_pays`
-    the query at position t costs t pairs in parallel form and one readout in the loop, equal at t = T; a prefix of
-    T costs T² / 2 pairs where the loop's readouts cost T·D·(dv + 1), twice as much. Rounded down to a multiple of 16.
-    SmolLM2's shapes with 3 groups: 960; 0.92×, 0.94×, 0.93× the time of the faster whole form at 2048, 3072, 4096
-    tokens, 1.02× at 8192 (benchmarks/parallel_crossover.py, stop 53; flat for prefixes of 768–960)."""
+def parallel_prefix(n: int, d: int, dv: int, R: int, P: int) -> int:
+    """The prefix of a fresh segment of ``n`` tokens too long for the parallel form (``not parallel_pays(n, …)``)
+    that runs in it all the same, the chunked loop continuing from the prefix's state: in the cost model of
+    :func:`parallel_pays` the query at position t costs t pairs in parallel form and one readout in the loop, equal at
+    t = T; a prefix of T costs T² / 2 pairs where the loop's readouts cost T·D·(dv + 1), twice as much. Rounded down
+    to a multiple of 16. What it saves is fixed, while the rest's inputs are copied and the two outputs joined, so it
+    is 0 (no prefix) for segments of :data:`PREFIX_SPAN` prefixes or more. SmolLM2's shapes with 3 groups: T = 960;
+    0.92×, 0.94×, 0.93×, 0.95× the time of the faster whole form at 2048, 3072, 4096, 6144 tokens; with a prefix 1.01×
+    at 8192 and 1.03× at 12288 (benchmarks/parallel_crossover.py, stop 53; flat for prefixes of 768–960)."""
     D = 1 + d + d * (d + 1) // 2
-    return int(D * (dv + 1) / (PARALLEL_COST * (d + R * P + R + dv + 1))) // 16 * 16
+    t = int(D * (dv + 1) / (PARALLEL_COST * (d + R * P + R + dv + 1))) // 16 * 16
+    return t if n < PREFIX_SPAN * t else 0
 
 
 def _forward_fused(
@@ -397,7 +402,7 @@ def _forward_fused(
     n, d, dv, R = q.shape[2], q.shape[-1], v.shape[-1], fw.shape[2]
     if initial_state is None:
         rep, P = channel_classes(fw)
-        t = n if parallel_pays(n, d, dv, R, P) else min(n, parallel_prefix(d, dv, R, P))
+        t = n if parallel_pays(n, d, dv, R, P) else min(n, parallel_prefix(n, d, dv, R, P))
         if t > 0:  # the segment, or its prefix, in parallel form; the rest in the loop from the prefix's state
             o, dens, final = ext.chunk_parallel_forward(
                 q[:, :, :t].contiguous(), k[:, :, :t].contiguous(), v[:, :, :t].contiguous(), fw, fc, c0, rep,
