@@ -52,6 +52,7 @@ def register(app: typer.Typer) -> None:
         trials: int = typer.Option(None, help="Override: passkey prompts per length."),
         passkey_lengths: str = typer.Option(None, help="Override: passkey context lengths, e.g. 1024,4096."),
         decode_lengths: str = typer.Option(None, help="Override: decode context lengths, e.g. 1024,8192."),
+        speed_rounds: int = typer.Option(None, help="Override: prefill rounds per context, models in turn."),
         threads: int = typer.Option(2, help="torch CPU threads."),
         data_dir: Path = typer.Option(None, help="Data directory (default: $OAL_DATA_DIR)."),
     ) -> None:
@@ -73,6 +74,8 @@ def register(app: typer.Typer) -> None:
             kw["passkey_lengths"] = _ints(passkey_lengths, "--passkey-lengths")
         if decode_lengths is not None:
             kw["decode_lengths"] = _ints(decode_lengths, "--decode-lengths")
+        if speed_rounds is not None:
+            kw["speed_rounds"] = speed_rounds
         try:
             config = DemoConfig.gpu(**kw) if preset == "gpu" else DemoConfig(**kw)
         except ValueError as e:

@@ -6,13 +6,18 @@ Per model (loaded once, in this process, ``threads`` torch threads):
    Python reference topics (``oal.data.domains``; neither calibration nor head scoring read them);
 2. passkey retrieval (:func:`oal.evaluation.retrieval.evaluate_retrieval`) at ``passkey_lengths``, ``trials``
    prompts each, the same prompts for both models;
-3. decode: a prefill of ``n`` seeded random tokens into a fresh cache (timed), 2 untimed then ``decode_steps``
-   timed greedy steps (median ms/token), and the cache's bytes, at each of ``decode_lengths``;
-4. greedy continuations of :data:`PROMPTS`.
+3. greedy continuations of :data:`PROMPTS`.
 
-Every stage's result is written atomically to ``out/<model>/<stage>.json`` with the config it was measured under;
-a rerun with the same config reuses it (resume), a changed config recomputes it. ``report.md``, ``report.json``
-and ``demo.png`` are written from the stage files.
+Then speed, with both models loaded in this process and measured side by side (:func:`speed`; this machine's speed
+swings ±30 % between minutes, so figures taken minutes apart do not compare): at each of ``decode_lengths``,
+``speed_rounds`` rounds of one timed prefill of ``n`` seeded random tokens into a fresh cache per model (the order
+reversed every round), then from the last round's caches 2 untimed and ``decode_steps`` timed greedy steps per
+model taken in turn (the order reversed every step), and the caches' bytes.
+
+Every stage's result is written atomically to ``out/<model>/<stage>.json`` (``out/speed.json`` for speed) with the
+config it was measured under; a rerun with the same config reuses it (resume), a changed config recomputes it, and
+a model is loaded only for stages that are computed. ``report.md``, ``report.json`` and ``demo.png`` are written
+from the stage files.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class DemoConfig:
     trials: int = 10
     decode_lengths: tuple[int, ...] = (1024, 8192)
     decode_steps: int = 16
+    speed_rounds: int = 3
     max_new_tokens: int = 40
     prompts: tuple[str, ...] = PROMPTS
     threads: int = 2
@@ -61,7 +67,7 @@ class DemoConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("block_len", "ppl_blocks", "trials", "decode_steps", "max_new_tokens", "threads"):
+        for name in ("block_len", "ppl_blocks", "trials", "decode_steps", "speed_rounds", "max_new_tokens", "threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -92,22 +98,21 @@ def _load(name: str, config: DemoConfig):
     return model.eval(), load_tokenizer(path)
 
 
-def _stage(out: Path, model: str, stage: str, key: dict, compute: Callable[[], dict], seconds: dict) -> dict:
-    """Result of one (model, stage), reused from ``out/model/stage.json`` when it was measured under ``key``;
-    the seconds it took when measured go into ``seconds[f"{model}/{stage}"]``."""
-    path = out / model / f"{stage}.json"
+def _stage(path: Path, label: str, key: dict, compute: Callable[[], dict], seconds: dict) -> dict:
+    """Result of one stage, reused from ``path`` when it was measured under ``key``; the seconds it took when
+    measured go into ``seconds[label]``."""
     if path.is_file():
-        saved = read_json(path, what=f"{model} {stage} result")
+        saved = read_json(path, what=f"{label} result")
         if saved.get("key") == key:
-            log.info("%s %s: reusing %s", model, stage, path)
-            seconds[f"{model}/{stage}"] = saved["seconds"]
+            log.info("%s: reusing %s", label, path)
+            seconds[label] = saved["seconds"]
             return saved["result"]
     start = time.perf_counter()
     result = compute()
     took = time.perf_counter() - start
     write_json(path, {"key": key, "result": result, "seconds": took})
-    log.info("%s %s: %.1f s", model, stage, took)
-    seconds[f"{model}/{stage}"] = took
+    log.info("%s: %.1f s", label, took)
+    seconds[label] = took
     return result
 
 
@@ -137,38 +142,84 @@ def _passkey(model, tokenizer, config: DemoConfig) -> dict:
     return {"per_length": r["per_length"], "trials": r["trials"]}
 
 
+def _quartiles(values: list[float]) -> list[float]:
+    return statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+
+
 @torch.no_grad()
-def _decode(model, config: DemoConfig) -> dict:
+def speed(models: dict[str, torch.nn.Module], config: DemoConfig, progress: bool = True) -> dict:
+    """Prefill and decode of ``models`` (name → model, measured in this order first) side by side, at each of
+    ``config.decode_lengths``: per context, per model ``prefill_s`` (the median of ``speed_rounds`` rounds, the
+    order of the models reversed every round; ``prefill_rounds`` each), ``ms_per_token`` (the median of
+    ``decode_steps`` greedy steps from the last round's cache, the models taken in turn and the order reversed every
+    step, after 2 untimed steps each; ``step_ms`` each) and ``cache_mb``; with two models, ``ratios``: the second's
+    over the first's prefill per round and decode per step pair (a ratio above 1 is slower)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     from ..models import KernelCache
     from ..models.state_cache import cache_nbytes
 
-    out = {}
     device = torch.device(config.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for n in config.decode_lengths:
-        gen = torch.Generator().manual_seed(config.seed)
-        ids = torch.randint(model.config.vocab_size, (1, n), generator=gen).to(device)
-        cache = KernelCache(model)
-        start = time.perf_counter()
-        logits = model(ids, cache=cache, logits_to_keep=1).logits
-        sync()
-        prefill = time.perf_counter() - start
-        token = logits[:, -1:].argmax(-1)
-        times = []
-        for step in range(2 + config.decode_steps):
-            t0 = time.perf_counter()
-            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
-            sync()
-            if step >= 2:
-                times.append(time.perf_counter() - t0)
-        out[str(n)] = {
-            "prefill_s": prefill,
-            "ms_per_token": statistics.median(times) * 1e3,
-            "cache_mb": cache_nbytes(cache) / MB,
-            "steps": config.decode_steps,
-        }
-        del cache
-        gc.collect()
+    names = list(models)
+    vocabs = {m.config.vocab_size for m in models.values()}
+    if len(vocabs) != 1:
+        raise ValueError(f"models: expected one vocabulary size for the same prompts, got {sorted(vocabs)}")
+    vocab = vocabs.pop()
+    out = {}
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, disable=not progress) as bar:
+        task = bar.add_task("speed", total=len(config.decode_lengths) * config.speed_rounds * len(names))
+        for n in config.decode_lengths:
+            gen = torch.Generator().manual_seed(config.seed)
+            ids = torch.randint(vocab, (1, n), generator=gen).to(device)
+            prefill: dict[str, list[float]] = {name: [] for name in names}
+            state: dict[str, tuple] = {}
+            for r in range(config.speed_rounds):
+                for name in names if r % 2 == 0 else names[::-1]:
+                    bar.update(task, description=f"prefill {n} tokens, {name}, round {r + 1}")
+                    state.pop(name, None)
+                    gc.collect()
+                    cache = KernelCache(models[name])
+                    sync()
+                    start = time.perf_counter()
+                    logits = models[name](ids, cache=cache, logits_to_keep=1).logits
+                    sync()
+                    prefill[name].append(time.perf_counter() - start)
+                    state[name] = (cache, logits[:, -1:].argmax(-1))
+                    # the model's previous cache is freed before its next prompt, not kept by these names
+                    del cache, logits
+                    bar.advance(task)
+            bar.update(task, description=f"decode at {n} tokens")
+            steps: dict[str, list[float]] = {name: [] for name in names}
+            for i in range(2 + config.decode_steps):
+                for name in names if i % 2 == 0 else names[::-1]:
+                    cache, token = state[name]
+                    t0 = time.perf_counter()
+                    token = models[name](token, cache=cache).logits[:, -1:].argmax(-1)
+                    sync()
+                    if i >= 2:
+                        steps[name].append(1e3 * (time.perf_counter() - t0))
+                    state[name] = (cache, token)
+            point: dict = {
+                name: {
+                    "prefill_s": statistics.median(prefill[name]),
+                    "prefill_rounds": prefill[name],
+                    "ms_per_token": statistics.median(steps[name]),
+                    "step_ms": steps[name],
+                    "cache_mb": cache_nbytes(state[name][0]) / MB,
+                }
+                for name in names
+            }
+            if len(names) == 2:
+                a, b = names
+                point["ratios"] = {
+                    "prefill_rounds": [y / x for x, y in zip(prefill[a], prefill[b], strict=True)],
+                    "decode_step_quartiles": _quartiles([y / x for x, y in zip(steps[a], steps[b], strict=True)]),
+                }
+            out[str(n)] = point
+            del state
+            gc.collect()
     return out
 
 
@@ -189,54 +240,57 @@ def run_demo(out: str | Path, config: DemoConfig = DemoConfig()) -> dict:
     started = time.perf_counter()
     results: dict[str, dict] = {}
     seconds: dict[str, float] = {}
+    paths = {"original": config.original, "converted": config.converted}
     for name in MODELS:
-        model, tokenizer = _load(name, config)
-        base = {"model": config.original if name == "original" else config.converted, "device": config.device}
-        results[name] = {
-            "perplexity": _stage(
-                out,
-                name,
-                "perplexity",
+        loaded: list = []
+
+        def model_and_tokenizer(name=name, loaded=loaded):
+            if not loaded:
+                loaded.extend(_load(name, config))
+            return loaded
+
+        base = {"model": paths[name], "device": config.device}
+        stages = {
+            "perplexity": (
                 {**base, "block_len": config.block_len, "blocks": config.ppl_blocks},
-                lambda m=model, t=tokenizer: _perplexities(m, t, config),
-                seconds,
+                lambda f=model_and_tokenizer: _perplexities(*f(), config),
             ),
-            "passkey": _stage(
-                out,
-                name,
-                "passkey",
+            "passkey": (
                 {**base, "lengths": list(config.passkey_lengths), "trials": config.trials, "seed": config.seed},
-                lambda m=model, t=tokenizer: _passkey(m, t, config),
-                seconds,
+                lambda f=model_and_tokenizer: _passkey(*f(), config),
             ),
-            "decode": _stage(
-                out,
-                name,
-                "decode",
-                {
-                    **base,
-                    "lengths": list(config.decode_lengths),
-                    "steps": config.decode_steps,
-                    "threads": config.threads,
-                    "seed": config.seed,
-                },
-                lambda m=model: _decode(m, config),
-                seconds,
-            ),
-            "continuations": _stage(
-                out,
-                name,
-                "continuations",
+            "continuations": (
                 {**base, "prompts": list(config.prompts), "max_new_tokens": config.max_new_tokens},
-                lambda m=model, t=tokenizer: _continuations(m, t, config),
-                seconds,
+                lambda f=model_and_tokenizer: _continuations(*f(), config),
             ),
         }
-        del model
+        results[name] = {
+            stage: _stage(out / name / f"{stage}.json", f"{name} {stage}", key, compute, seconds)
+            for stage, (key, compute) in stages.items()
+        }
+        loaded.clear()
         gc.collect()
+    speed_key = {
+        "models": paths,
+        "device": config.device,
+        "lengths": list(config.decode_lengths),
+        "steps": config.decode_steps,
+        "rounds": config.speed_rounds,
+        "threads": config.threads,
+        "seed": config.seed,
+    }
+    side_by_side = _stage(
+        out / "speed.json",
+        "speed",
+        speed_key,
+        lambda: speed({name: _load(name, config)[0] for name in MODELS}, config),
+        seconds,
+    )
+    gc.collect()
     report = {
         "config": {k: v for k, v in asdict(config).items() if k != "extra"},
         "results": results,
+        "speed": side_by_side,
         "stage_seconds": seconds,
         "provenance": provenance(),
         "wall_s": time.perf_counter() - started,
