@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(Path("runs/demo"), help="Output folder (report.md, report.json, demo.png)."),
         converted: str = typer.Option("docs/results/conversion/model", help="Converted model directory."),
         original: str = typer.Option("smollm2-135m", help="The original model."),
-        preset: str = typer.Option("cpu", help="cpu (about 6 min on 2 cores) or gpu (one CUDA device)."),
+        preset: str = typer.Option("cpu", help="cpu (about 11 min on 2 cores) or gpu (one CUDA device)."),
         ppl_blocks: int = typer.Option(None, help="Override: perplexity blocks per text."),
         trials: int = typer.Option(None, help="Override: passkey prompts per length."),
         passkey_lengths: str = typer.Option(None, help="Override: passkey context lengths, e.g. 1024,4096."),

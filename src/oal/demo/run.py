@@ -47,7 +47,8 @@ MB = 2**20
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """What the demo measures (the defaults take about 6 minutes on the 2-core CPU; ``gpu()`` for a GPU)."""
+    """What the demo measures (the defaults take about 11 minutes on the 2-core CPU, 3 of them the side-by-side
+    prefill rounds at 8k; ``gpu()`` for a GPU)."""
 
     original: str = "smollm2-135m"
     converted: str = "docs/results/conversion/model"
