@@ -9,10 +9,11 @@ Per model (loaded once, in this process, ``threads`` torch threads):
 3. greedy continuations of :data:`PROMPTS`.
 
 Then speed, with both models loaded in this process and measured side by side (:func:`speed`; this machine's speed
-swings ±30 % between minutes, so figures taken minutes apart do not compare): at each of ``decode_lengths``,
-``speed_rounds`` rounds of one timed prefill of ``n`` seeded random tokens into a fresh cache per model (the order
-reversed every round), then from the last round's caches 2 untimed and ``decode_steps`` timed greedy steps per
-model taken in turn (the order reversed every step), and the caches' bytes.
+swings ±30 % between minutes, so figures taken minutes apart do not compare): after one untimed prompt per model
+(the shortest context), at each of ``decode_lengths`` ``speed_rounds`` rounds of one timed prefill of ``n`` seeded
+random tokens into a fresh cache per model (the order reversed every round), then from the last round's caches 2
+untimed and ``decode_steps`` timed greedy steps per model taken in turn (the order reversed every step), and the
+caches' bytes.
 
 Every stage's result is written atomically to ``out/<model>/<stage>.json`` (``out/speed.json`` for speed) with the
 config it was measured under; a rerun with the same config reuses it (resume), a changed config recomputes it, and
@@ -57,7 +58,7 @@ class DemoConfig:
     passkey_lengths: tuple[int, ...] = (1024, 4096)
     trials: int = 10
     decode_lengths: tuple[int, ...] = (1024, 8192)
-    decode_steps: int = 16
+    decode_steps: int = 32
     speed_rounds: int = 3
     max_new_tokens: int = 40
     prompts: tuple[str, ...] = PROMPTS
@@ -149,12 +150,13 @@ def _quartiles(values: list[float]) -> list[float]:
 
 @torch.no_grad()
 def speed(models: dict[str, torch.nn.Module], config: DemoConfig, progress: bool = True) -> dict:
-    """Prefill and decode of ``models`` (name → model, measured in this order first) side by side, at each of
-    ``config.decode_lengths``: per context, per model ``prefill_s`` (the median of ``speed_rounds`` rounds, the
-    order of the models reversed every round; ``prefill_rounds`` each), ``ms_per_token`` (the median of
-    ``decode_steps`` greedy steps from the last round's cache, the models taken in turn and the order reversed every
-    step, after 2 untimed steps each; ``step_ms`` each) and ``cache_mb``; with two models, ``ratios``: the second's
-    over the first's prefill per round and decode per step pair (a ratio above 1 is slower)."""
+    """Prefill and decode of ``models`` (name → model, measured in this order first) side by side, after one
+    untimed prompt of the shortest context per model, at each of ``config.decode_lengths``: per context, per model
+    ``prefill_s`` (the median of ``speed_rounds`` rounds, the order of the models reversed every round;
+    ``prefill_rounds`` each), ``ms_per_token`` (the median of ``decode_steps`` greedy steps from the last round's
+    cache, the models taken in turn and the order reversed every step, after 2 untimed steps each; ``step_ms``
+    each) and ``cache_mb``; with two models, ``ratios``: the second's over the first's prefill per round and decode
+    per step pair (a ratio above 1 is slower)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..models import KernelCache
@@ -171,6 +173,12 @@ def speed(models: dict[str, torch.nn.Module], config: DemoConfig, progress: bool
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("speed", total=len(config.decode_lengths) * config.speed_rounds * len(names))
+        # an untimed prompt per model first: a process's first prompt pages the weights in and loads the kernels
+        warm = torch.randint(vocab, (1, min(config.decode_lengths)), generator=torch.Generator().manual_seed(0))
+        for name in names:
+            bar.update(task, description=f"warm-up prompt, {name}")
+            models[name](warm.to(device), cache=KernelCache(models[name]), logits_to_keep=1)
+            sync()
         for n in config.decode_lengths:
             gen = torch.Generator().manual_seed(config.seed)
             ids = torch.randint(vocab, (1, n), generator=gen).to(device)
@@ -277,6 +285,7 @@ def run_demo(out: str | Path, config: DemoConfig = DemoConfig()) -> dict:
         "lengths": list(config.decode_lengths),
         "steps": config.decode_steps,
         "rounds": config.speed_rounds,
+        "warm_up_tokens": min(config.decode_lengths),
         "threads": config.threads,
         "seed": config.seed,
     }
