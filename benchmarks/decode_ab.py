@@ -67,6 +67,23 @@ def checked_sizes(args: argparse.Namespace) -> list[int]:
     return sizes
 
 
+def round_arguments(ap: argparse.ArgumentParser, rounds: int, what: str) -> None:
+    """``--rounds`` (``rounds`` by default, of ``what`` per model and context) and ``--warmup``: the arguments of the
+    scripts that repeat a prompt in rounds (``prefill_ab.py``, ``generate_ab.py``)."""
+    ap.add_argument("--rounds", type=int, default=rounds, help=f"{what} per model and context, alternating")
+    ap.add_argument("--warmup", type=int, default=64, help="tokens of an untimed first prompt per model (0: none)")
+
+
+def check_rounds(args: argparse.Namespace) -> None:
+    """SystemExit unless ``--rounds`` is positive, ``--warmup`` ≥ 0 and the two models differ."""
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds: expected a positive number of rounds, got {args.rounds}")
+    if args.models[0] == args.models[1]:
+        raise SystemExit(f"models: expected two different models, got {args.models[0]!r} twice")
+    if args.warmup < 0:
+        raise SystemExit(f"--warmup: expected a number of tokens ≥ 0, got {args.warmup}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     pair_arguments(ap, "decoded together")

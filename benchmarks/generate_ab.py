@@ -81,23 +81,18 @@ def summarize(runs: dict[tuple[str, int], list[tuple[float, float]]], models: li
 
 
 def main() -> None:
-    from decode_ab import build, checked_sizes, pair_arguments  # the same models and arguments (run from benchmarks/)
+    # the same models and arguments as decode_ab.py and prefill_ab.py (run from benchmarks/)
+    from decode_ab import build, check_rounds, checked_sizes, pair_arguments, round_arguments
 
     ap = argparse.ArgumentParser()
     pair_arguments(ap, "generated together")
+    round_arguments(ap, 2, "generations")
     ap.add_argument("--new", type=int, default=33, help="tokens generated per prompt (the first is the prompt's)")
-    ap.add_argument("--rounds", type=int, default=2, help="generations per model and context, alternating")
-    ap.add_argument("--warmup", type=int, default=64, help="tokens of an untimed first prompt per model (0: none)")
     args = ap.parse_args()
     sizes = checked_sizes(args)
+    check_rounds(args)
     if args.new < 3:
         raise SystemExit(f"--new: expected at least 3 new tokens (a first token and 2 steps), got {args.new}")
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds: expected a positive number of rounds, got {args.rounds}")
-    if args.models[0] == args.models[1]:
-        raise SystemExit(f"models: expected two different models, got {args.models[0]!r} twice")
-    if args.warmup < 0:
-        raise SystemExit(f"--warmup: expected a number of tokens ≥ 0, got {args.warmup}")
     from oal.bench.devices import machine_record
 
     torch.set_num_threads(args.threads)

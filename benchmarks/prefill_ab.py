@@ -52,20 +52,15 @@ def summarize(times: dict[tuple[str, int], list[float]], models: list[str], size
 
 
 def main() -> None:
-    from decode_ab import build, checked_sizes, pair_arguments  # the same models and arguments (run from benchmarks/)
+    # the same models and arguments as decode_ab.py (run from benchmarks/)
+    from decode_ab import build, check_rounds, checked_sizes, pair_arguments, round_arguments
 
     ap = argparse.ArgumentParser()
     pair_arguments(ap, "prefilled together")
-    ap.add_argument("--rounds", type=int, default=3, help="prefills per model and context, alternating")
-    ap.add_argument("--warmup", type=int, default=64, help="tokens of an untimed first prefill per model (0: none)")
+    round_arguments(ap, 3, "prefills")
     args = ap.parse_args()
     sizes = checked_sizes(args)
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds: expected a positive number of rounds, got {args.rounds}")
-    if args.models[0] == args.models[1]:
-        raise SystemExit(f"models: expected two different models, got {args.models[0]!r} twice")
-    if args.warmup < 0:
-        raise SystemExit(f"--warmup: expected a number of tokens ≥ 0, got {args.warmup}")
+    check_rounds(args)
     from oal.bench.devices import machine_record
     from oal.models.state_cache import KernelCache
 
