@@ -61,10 +61,23 @@ def _parts(kernel) -> tuple[OALKernel, SinkWindowKernel | None, tuple[int, ...],
     return oal, sw, (), tuple(range(kernel.num_kv_heads)), tuple(range(kernel.num_heads))
 
 
+def _parameters_key(module: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """``(storage, version counter)`` of every parameter of ``module`` and its submodules, by a plain walk of their
+    dicts: ``module.parameters()`` (named generators, prefixes, a memo set) cost ~30 µs a kernel in a decode step,
+    whose GEMMs have just streamed the weights through the CPU's caches."""
+    key = []
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        key.extend((p.data_ptr(), p._version) for p in m._parameters.values() if p is not None)
+        stack.extend(c for c in m._modules.values() if c is not None)
+    return tuple(key)
+
+
 def _cached(kernel, attr: str, build) -> tuple[torch.Tensor, ...]:
     """``build(kernel)``, cached on the kernel under ``attr`` and rebuilt when any of its parameters changes
-    (version counter or storage)."""
-    key = tuple((p.data_ptr(), p._version) for p in kernel.parameters())
+    (version counter or storage, :func:`_parameters_key`)."""
+    key = _parameters_key(kernel)
     cached = getattr(kernel, attr, None)
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -74,9 +87,10 @@ def _cached(kernel, attr: str, build) -> tuple[torch.Tensor, ...]:
     return value
 
 
-def _constants(kernel) -> tuple[torch.Tensor, ...]:
-    """``(exact KV heads, kernel KV heads, β (K·G,), factor W (K·G, R, d), c (K·G, R), c0 (K·G,))`` as fp32 /
-    int64 CPU tensors (Eq. 7's factor for kept keys), cached on the kernel (:func:`_cached`)."""
+def _constants(kernel) -> tuple[tuple, tuple[torch.Tensor, ...]]:
+    """``(parts, constants)``: the kernel's :func:`_parts` and ``(exact KV heads, kernel KV heads, β (K·G,), factor
+    W (K·G, R, d), c (K·G, R), c0 (K·G,))`` as fp32 / int64 CPU tensors (Eq. 7's factor for kept keys), cached on
+    the kernel together (:func:`_cached`; the parts' module lookups cost ~10 µs a layer in a decode step)."""
     return _cached(kernel, _CONSTANTS_ATTR, _build_constants)
 
 
@@ -86,16 +100,17 @@ def _kernel_query_heads(oal: OALKernel, kq: tuple[int, ...]) -> tuple[torch.Tens
     return hq, oal.groups.index_select(0, hq), oal.L.float().index_select(0, hq)
 
 
-def _build_constants(kernel) -> tuple[torch.Tensor, ...]:
-    oal, sw, exact, rest, kq = _parts(kernel)
+def _build_constants(kernel) -> tuple[tuple, tuple[torch.Tensor, ...]]:
+    parts = _parts(kernel)
+    oal, sw, exact, rest, kq = parts
     if not kq:  # every head exact
         exact_idx, none = torch.tensor(exact, dtype=torch.long), torch.empty(0, dtype=torch.long)
-        return exact_idx, none, _EMPTY, _EMPTY.view(0, 0, 0), _EMPTY.view(0, 0), _EMPTY
+        return parts, (exact_idx, none, _EMPTY, _EMPTY.view(0, 0, 0), _EMPTY.view(0, 0), _EMPTY)
     hq, groups, L = _kernel_query_heads(oal, kq)
     beta = (sw.beta.float().index_select(0, hq) if sw is not None else torch.zeros(len(kq))).contiguous()
     factor = oal_factor(groups, L, oal.eps)
     consts = (torch.tensor(exact, dtype=torch.long), torch.tensor(rest, dtype=torch.long), beta)
-    return consts + tuple(x.float().contiguous() for x in (factor.W, factor.c, factor.c0))
+    return parts, consts + tuple(x.float().contiguous() for x in (factor.W, factor.c, factor.c0))
 
 
 def _state_weights(kernel) -> torch.Tensor:
@@ -180,7 +195,7 @@ def decode_step(
     or None when the fused path does not apply (see the module docstring)."""
     if state is None or not _usable(kernel, q, k, v):
         return None
-    oal, sw, exact, rest, _ = _parts(kernel)
+    (oal, sw, _, rest, _), (exact_idx, kern_idx, beta, fw, fc, fc0) = _constants(kernel)
     inner = state.inner if isinstance(state, ExactHeadsState) else state
     if isinstance(inner, kept_form.KeptKV):
         if inner.length != past:
@@ -228,7 +243,6 @@ def decode_step(
             return None
         if S.shape[2] != feature_dim(kernel.head_dim):
             return None
-    exact_idx, kern_idx, beta, fw, fc, fc0 = _constants(kernel)
     wq = _state_weights(kernel) if rest and not kept else _EMPTY.view(0, 0)
     B, Hq, _, d = q.shape
     dv = v.shape[-1]
