@@ -155,6 +155,13 @@ def test_constants_follow_parameter_updates():
         kernel.beta.add_(0.5)
     got, _ = run_decode(kernel, q, k, v, 10)
     torch.testing.assert_close(got.double(), reference(kernel, *make_qkv(1, Hq, Hkv, 20, d)), atol=2e-5, rtol=1e-4)
+    # parameters replaced by new ones (other storages, the same version counters), in the wrapper and the inner kernel
+    fresh = make_kernel("sink_window", Hq, Hkv, d, window=4)
+    run_decode(fresh, q, k, v, 10)
+    fresh.beta = torch.nn.Parameter(fresh.beta.detach() - 1.0)
+    fresh.inner.L = torch.nn.Parameter(fresh.inner.L.detach() * 0.8)
+    got, _ = run_decode(fresh, q, k, v, 10)
+    torch.testing.assert_close(got.double(), reference(fresh, *make_qkv(1, Hq, Hkv, 20, d)), atol=2e-5, rtol=1e-4)
 
 
 def test_not_applicable_calls_return_none():
