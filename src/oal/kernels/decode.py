@@ -31,6 +31,8 @@ and reused until a parameter changes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..ops.quadratic import cpu as cpu_kernel
@@ -74,7 +76,7 @@ def _parameters_key(module: torch.nn.Module) -> tuple[tuple[int, int], ...]:
     return tuple(key)
 
 
-def _cached(kernel, attr: str, build) -> tuple[torch.Tensor, ...]:
+def _cached(kernel, attr: str, build: Callable[[torch.nn.Module], object]) -> object:
     """``build(kernel)``, cached on the kernel under ``attr`` and rebuilt when any of its parameters changes
     (version counter or storage, :func:`_parameters_key`)."""
     key = _parameters_key(kernel)
