@@ -474,3 +474,24 @@ def test_amx_flag_override(monkeypatch):
     monkeypatch.setenv("OAL_CPU_AMX", "yes")
     with pytest.raises(ValueError, match=r"OAL_CPU_AMX: expected 0 or 1, got 'yes'"):
         cpu_kernels.amx_bf16()
+
+
+@pytest.mark.parametrize("exact", [[1], [0, 2]])
+def test_a_short_prompt_of_the_kernel_heads_is_softmax_without_coefficients(exact, monkeypatch):
+    """The kernel heads of a sink/window inner kernel on a fresh prompt of at most n_sink + window tokens: causal
+    softmax, the inner kernel's coefficients not computed (under autograd for β they are)."""
+    import oal.kernels.hybrid as module
+
+    m = ExactHeadsKernel(make_inner("sink_window", 9, 3, 8), exact)
+    q, k, v = make_qkv(1, 9, 3, 7, 8)
+    with torch.enable_grad():
+        want, want_state = m(q, k, v, output_final_state=True)
+    monkeypatch.setattr(module, "oal_coefficients", lambda *a: pytest.fail("coefficients computed"))
+    with torch.no_grad():
+        got, state = m(q, k, v, output_final_state=True)
+    torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(got, SoftmaxKernel(9, 3, 8)(q, k, v)[0], rtol=0, atol=1e-12)
+    for x, y in zip(state.inner[:5], want_state.inner[:5], strict=True):
+        assert torch.equal(x, y)
+    with torch.no_grad(), pytest.raises(pytest.fail.Exception, match="coefficients computed"):
+        m(*make_qkv(1, 9, 3, 8, 8))  # 8 > n_sink + window = 7

@@ -175,3 +175,36 @@ def test_bad_construction():
         SinkWindowKernel(make_inner("oal", 3, 1, 8), beta=torch.zeros(4))
     with pytest.raises(ValueError, match="window: expected a non-negative integer"):
         SinkWindowKernel(make_inner("oal", 3, 1, 8), window=-1)
+
+
+def _no_coefficients(*args, **kwargs):
+    raise AssertionError("the kernel's coefficients were computed")
+
+
+@pytest.mark.parametrize("N,n_sink,window", [(1, 4, 16), (20, 4, 16), (9, 0, 9)])
+def test_a_short_prompt_is_softmax_without_the_kernels_coefficients(N, n_sink, window, monkeypatch):
+    """A fresh prompt of at most n_sink + window tokens: the module returns causal softmax and the blockwise state
+    without computing its inner kernel's coefficients (the model's prompts up to 260 tokens); with β recording a
+    gradient, and from a state, it evaluates blockwise."""
+    import oal.kernels.sink_window as module
+
+    m = SinkWindowKernel(make_inner("oal", 6, 2, 8), n_sink=n_sink, window=window, beta=torch.randn(6))
+    q, k, v = make_qkv(1, 6, 2, n_sink + window + 1, 8, 4)
+    prompt = [x[:, :, :N] for x in (q, k, v)]
+    with torch.enable_grad():
+        want, want_state = m(*prompt, output_final_state=True)
+    monkeypatch.setattr(module, "oal_coefficients", _no_coefficients)
+    monkeypatch.setattr(module, "oal_factor", _no_coefficients)
+    with torch.no_grad():
+        got, state = m(*prompt, output_final_state=True)
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=2e-6)
+        torch.testing.assert_close(got, SoftmaxKernel(6, 2, 8)(*prompt)[0], rtol=0, atol=2e-6)
+        assert state.offset == want_state.offset == N
+        for x, y in zip(state[:5], want_state[:5], strict=True):
+            assert torch.equal(x, y)
+        with pytest.raises(AssertionError, match="coefficients"):
+            m(q, k, v)  # n_sink + window + 1 tokens: key n_sink is in the last query's kernel set
+        with pytest.raises(AssertionError, match="coefficients"):
+            m(q[:, :, N : N + 1], k[:, :, N : N + 1], v[:, :, N : N + 1], initial_state=state)
+    with pytest.raises(AssertionError, match="coefficients"):
+        m(*prompt)  # β records a gradient

@@ -12,6 +12,7 @@ from oal.kernels import oal_coefficients, oal_factor, taylor_L
 from oal.ops import quadratic_attention
 from oal.ops.quadratic import KernelFactor, feature_dim
 from oal.ops.sink_window import SinkWindowState, sink_window_attention, sink_window_weights
+from oal.ops.sink_window.utils import all_exact
 
 
 def make_inputs(B, Hq, Hkv, N, d, dv, dtype=torch.float64):
@@ -400,14 +401,98 @@ def test_fused_exact_part_equals_torch_loop(N, w, n_sink, group, split, monkeypa
                    n_sink=n_sink, window=w, initial_state=state, chunk_size=16)  # fmt: skip
         return torch.cat([*outs, o], dim=2)
 
+    # the no-grad fp32 calls reach the fused kernel, but for a fresh segment of at most n_sink + w tokens (causal
+    # softmax, no exact part to combine)
+    blockwise = int(bool(split) and not all_exact(split, n_sink, w, None)) + int(
+        bool(split) or not all_exact(N, n_sink, w, None)
+    )
     with torch.no_grad():
         fused = chunked()
-        assert len(calls) == 1 + bool(split)  # the no-grad fp32 call reaches the fused kernel
+        assert len(calls) == blockwise
         with cpu_kernel.disabled():
             loop = chunked()
-    assert len(calls) == 1 + bool(split)
+    assert len(calls) == blockwise
     torch.testing.assert_close(fused, loop, atol=2e-5, rtol=1e-4)
     assert rel_rms(fused, want) < 1e-4
+
+
+@pytest.fixture
+def softmax_calls(monkeypatch):
+    """Records each segment the chunk mode evaluates as causal softmax (the all-exact path)."""
+    import oal.ops.sink_window.utils as utils
+
+    calls = []
+    real = utils.causal_softmax
+    monkeypatch.setattr(utils, "causal_softmax", lambda q, *a: calls.append(q.shape[2]) or real(q, *a))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "N,n_sink,w,group", [(1, 4, 16, 3), (20, 4, 16, 1), (20, 4, 16, 3), (16, 0, 16, 3), (7, 7, 0, 1)]
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_a_fresh_segment_within_the_sinks_and_window_is_causal_softmax(N, n_sink, w, group, dtype, softmax_calls):
+    """A fresh segment of at most n_sink + w tokens has no kernel key: the chunk mode takes causal softmax, with the
+    outputs and the state of the blockwise evaluation (which runs when β records a gradient) and of the naive
+    reference, and decoding continues from its state as from the blockwise one."""
+    Hkv, cdt = 2, torch.float64 if dtype == torch.float64 else torch.float32
+    q, k, v = make_inputs(2, Hkv * group, Hkv, N + 3, 8, 5, dtype)
+    coef, factor, beta = random_kernel(Hkv * group, 8, dtype=cdt)
+    kw = {"n_sink": n_sink, "window": w, "output_final_state": True, "chunk_size": 16}
+    prompt = [x[:, :, :N] for x in (q, k, v)]
+    fast, fast_state = run("chunk", *prompt, coef, factor, beta, **kw)
+    assert softmax_calls == [N]
+    with torch.enable_grad():
+        slow, slow_state = run("chunk", *prompt, coef, factor, beta.clone().requires_grad_(), **kw)
+    assert softmax_calls == [N]
+    want, _ = run("naive", *(x.double() for x in prompt), tuple(c.double() for c in coef), None, beta.double(), **kw)
+    tol = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 1e-2}[dtype]
+    assert fast.dtype == dtype
+    torch.testing.assert_close(fast, slow.detach(), rtol=0, atol=tol)
+    torch.testing.assert_close(fast.double(), want, rtol=0, atol=tol)
+    assert fast_state.offset == slow_state.offset == N
+    for x, y in zip(fast_state[:5], slow_state[:5], strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    rest = [x[:, :, N:] for x in (q, k, v)]
+    after_fast, _ = run("recurrent", *rest, coef, factor, beta, n_sink=n_sink, window=w, initial_state=fast_state)
+    after_slow, _ = run("recurrent", *rest, coef, factor, beta, n_sink=n_sink, window=w, initial_state=slow_state)
+    torch.testing.assert_close(after_fast, after_slow, rtol=0, atol=tol)
+
+
+def test_causal_softmax_only_where_no_query_has_a_kernel_key(softmax_calls):
+    """n_sink + w + 1 tokens (the last query has key n_sink in its kernel set), a segment after a state, the
+    recurrent mode and the naive reference all evaluate blockwise."""
+    q, k, v = make_inputs(1, 3, 1, 21, 8, 5)
+    coef, factor, beta = random_kernel(3, 8)
+    run("chunk", q, k, v, coef, factor, beta, n_sink=4, window=17)
+    assert softmax_calls == [21]
+    run("chunk", q, k, v, coef, factor, beta, n_sink=4, window=16)
+    _, state = run("chunk", q[:, :, :2], k[:, :, :2], v[:, :, :2], coef, factor, beta, n_sink=4, window=16,
+                   output_final_state=True)  # fmt: skip
+    run("chunk", q[:, :, 2:4], k[:, :, 2:4], v[:, :, 2:4], coef, factor, beta, n_sink=4, window=16, initial_state=state)
+    run("recurrent", q[:, :, :5], k[:, :, :5], v[:, :, :5], coef, factor, beta, n_sink=4, window=16)
+    run("naive", q[:, :, :5], k[:, :, :5], v[:, :, :5], coef, factor, beta, n_sink=4, window=16)
+    assert softmax_calls == [21, 2]
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_causal_softmax_segment_gradients(group, softmax_calls):
+    """Under autograd in q, k, v (β without a gradient) the all-exact path runs and gives the blockwise gradients."""
+    q, k, v = make_inputs(2, 2 * group, 2, 12, 8, 5)
+    coef, factor, beta = random_kernel(2 * group, 8)
+    w = torch.randn(2, 2 * group, 12, 5, dtype=torch.float64)
+
+    def grads(b):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, _ = run("chunk", *x, coef, factor, b, n_sink=2, window=10)
+        return torch.autograd.grad((o * w).sum(), x)
+
+    fast = grads(beta)
+    assert softmax_calls == [12]
+    slow = grads(beta.clone().requires_grad_())
+    assert softmax_calls == [12]
+    for f, s in zip(fast, slow, strict=True):
+        torch.testing.assert_close(f, s, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oal.ops.softmax import naive_softmax_at_end, softmax_at_end
+from oal.ops.softmax import causal_softmax, naive_softmax_at_end, softmax_at_end
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
@@ -73,3 +73,42 @@ def test_none_where_it_does_not_apply():
 def test_chunk_equals_the_reference_on_any_shape(B, Hkv, group, n, past, d):
     q, k, v = inputs(B, Hkv * group, Hkv, n, n + past, d, d)
     torch.testing.assert_close(softmax_at_end(q, k, v), naive_softmax_at_end(q, k, v), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("N", [1, 63, 1000])
+def test_causal_softmax_equals_the_reference(dtype, group, N):
+    """A whole causal segment (n = N): the fused call for CPU fp32, SDPA for the other dtypes."""
+    q, k, v = inputs(2, 2 * group, 2, N, N, dv=8, dtype=dtype)
+    got = causal_softmax(q, k, v, 0.3)
+    assert got.dtype == dtype and got.shape == (2, 2 * group, N, 8)
+    torch.testing.assert_close(got.double(), naive_softmax_at_end(q, k, v, 0.3).double(), rtol=0, atol=TOL[dtype])
+
+
+def test_causal_softmax_fp32_is_one_fused_call(monkeypatch):
+    from oal.ops.quadratic import cpu as cpu_kernels
+
+    ext = cpu_kernels.load("window")
+    if ext is None:
+        pytest.skip("the fused CPU window kernel did not build (no C++ compiler?)")
+    calls = []
+    fused = ext.exact_prefill
+    monkeypatch.setattr(ext, "exact_prefill", lambda *a: calls.append(a[0].shape) or fused(*a))
+    q, k, v = inputs(1, 6, 2, 20, 20)
+    buf = torch.zeros(1, 2, 32, 16)  # keys in the first slots of a buffer with room: read in place
+    buf[:, :, :20] = k
+    got = causal_softmax(q, buf[:, :, :20], v, 0.25)
+    assert calls == [(1, 2, 3, 20, 16)]
+    torch.testing.assert_close(got, naive_softmax_at_end(q, k, v, 0.25), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_causal_softmax_gradients_equal_the_reference(group):
+    """Under autograd it is SDPA (differentiable); its gradients in q, k, v are the masked reference's."""
+    q, k, v = (x.requires_grad_() for x in inputs(2, 2 * group, 2, 17, 17, dtype=torch.float64))
+    w = torch.randn(2, 2 * group, 17, 16, dtype=torch.float64)
+    got = torch.autograd.grad((causal_softmax(q, k, v, 0.4) * w).sum(), (q, k, v))
+    want = torch.autograd.grad((naive_softmax_at_end(q, k, v, 0.4) * w).sum(), (q, k, v))
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-10)

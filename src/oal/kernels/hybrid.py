@@ -22,7 +22,10 @@ import torch.nn.functional as F
 
 from ..ops import page_select
 from ..ops.quadratic import cpu as cpu_kernels
-from ..ops.softmax import softmax_at_end
+from ..ops.quadratic.utils import check_qkv
+from ..ops.sink_window import sink_window_attention
+from ..ops.sink_window.utils import exact_segment
+from ..ops.softmax.chunk import rows_contiguous, softmax_at_end
 from .base import (
     AttentionKernel,
     KeptKV,
@@ -152,12 +155,6 @@ def _put_heads(o: torch.Tensor, heads: tuple[int, ...], x: torch.Tensor) -> None
         o.index_copy_(1, torch.tensor(heads, device=o.device), x.to(o.dtype))
 
 
-def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """``x (B, H, n, ·)`` with each head's rows contiguous (as ``exact_prefill`` reads them): ``x`` where they are
-    (the first n slots of a buffer with room), else a contiguous copy."""
-    return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
-
-
 def bf16_product_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -227,8 +224,8 @@ def _fused_exact(
     extra = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
     out = ext.exact_prefill(
         q.reshape(B, E, Eg // E, N, d).contiguous(),
-        _rows_contiguous(k),
-        _rows_contiguous(v),
+        rows_contiguous(k),
+        rows_contiguous(v),
         past,
         scale,
         bf16_products,
@@ -400,8 +397,10 @@ class ExactHeadsKernel(AttentionKernel):
                 initial_state=initial_state,
                 output_final_state=output_final_state,
             )
-        from ..ops.sink_window import sink_window_attention
-
+        beta = self.inner.beta.index_select(0, hq.to(self.inner.beta.device))
+        if mode == "chunk" and self.inner.exact_prompt(q.shape[2], initial_state, beta):
+            dims = check_qkv(q, k, v)
+            return exact_segment(q, k, v, dims, self.inner.n_sink, self.inner.window, self.scale, output_final_state)
         a, b, C = oal_coefficients(groups, L, oal.eps)
         return sink_window_attention(
             q,
@@ -410,7 +409,7 @@ class ExactHeadsKernel(AttentionKernel):
             a,
             b,
             C,
-            self.inner.beta.index_select(0, hq.to(self.inner.beta.device)),
+            beta,
             n_sink=self.inner.n_sink,
             window=self.inner.window,
             scale=self.scale,

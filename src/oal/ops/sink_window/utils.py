@@ -24,6 +24,7 @@ from ..quadratic import KernelFactor, feature_dim, quadratic_attention
 from ..quadratic import cpu as cpu_kernel
 from ..quadratic.chunk import chunk_checked, head_rows, parallel_at_end
 from ..quadratic.utils import Dims, _need_finite, _need_shape, _need_tensor, compute_dtype
+from ..softmax import causal_softmax
 
 MODES = ("naive", "chunk", "recurrent")
 
@@ -159,7 +160,12 @@ def evaluate(
     kernel_floor: float | None,
 ) -> tuple[torch.Tensor, SinkWindowState | None]:
     """One segment: the kernel part through the quadratic operator (``kernel_mode``), then the exact part and
-    the combination for blocks of ``block`` queries. Inputs are validated by the caller."""
+    the combination for blocks of ``block`` queries. Inputs are validated by the caller. A fresh segment in chunk mode
+    that no kernel key reaches (:func:`all_exact`) is causal softmax (:func:`exact_segment`), unless β needs its
+    gradient (zero there, but recorded)."""
+    beta_grad = torch.is_grad_enabled() and beta.requires_grad
+    if kernel_mode == "chunk" and all_exact(dims.N, n_sink, window, initial_state) and not beta_grad:
+        return exact_segment(q, k, v, dims, n_sink, window, scale, output_final_state)
     B, Hq, Hkv, N, d, dv = dims
     G = dims.group
     w = window
@@ -270,18 +276,51 @@ def evaluate(
             )
         o = torch.cat(outs, dim=3)
     o = o.reshape(B, Hq, N, dv).to(q.dtype)
+    return o, _final_state(seg, kernel_state, N) if output_final_state else None
 
-    final = None
-    if output_final_state:
-        final = SinkWindowState(
-            kernel=kernel_state,
-            sink_k=seg.sink_k,
-            sink_v=seg.sink_v,
-            window_k=seg.ext_k[:, :, N:].clone(),
-            window_v=seg.ext_v[:, :, N:].clone(),
-            offset=t0 + N,
-        )
-    return o, final
+
+def _final_state(seg: Segment, kernel_state: torch.Tensor, N: int) -> SinkWindowState:
+    """The state after a segment of N tokens read as ``seg``, with the kernel part's state ``kernel_state``."""
+    return SinkWindowState(
+        kernel=kernel_state,
+        sink_k=seg.sink_k,
+        sink_v=seg.sink_v,
+        window_k=seg.ext_k[:, :, N:].clone(),
+        window_v=seg.ext_v[:, :, N:].clone(),
+        offset=seg.offset + N,
+    )
+
+
+def all_exact(n: int, n_sink: int, window: int, initial_state: SinkWindowState | None) -> bool:
+    """Whether a segment of ``n ≥ 1`` tokens has no kernel key for any query because it starts the sequence (no
+    ``initial_state``) and ends before position ``n_sink + window``: ``K_i = {n_sink ≤ j ≤ i - w}`` is empty for
+    every ``i < n_sink + w``, and ``E_i`` is then every key up to i. The operator is causal softmax there (β, the
+    kernel and its coefficients drop out), which :func:`exact_segment` evaluates."""
+    return initial_state is None and 0 < n <= n_sink + window
+
+
+def exact_segment(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dims: Dims,
+    n_sink: int,
+    window: int,
+    scale: float,
+    output_final_state: bool,
+) -> tuple[torch.Tensor, SinkWindowState | None]:
+    """The operator on a segment where :func:`all_exact` holds: ``(o (B, Hq, N, dv)`` in q's dtype, the state after
+    it)``, o being causal softmax in the accumulation dtype (:func:`oal.ops.softmax.causal_softmax`: one fused call
+    on CPU fp32, SDPA otherwise) — the outputs of the blockwise evaluation up to rounding, without its kernel part
+    (empty), log-masses (-∞) and windows of zeros. The state: sinks and window as the blockwise evaluation leaves
+    them, an empty kernel state. Inputs validated by the caller."""
+    cdt = compute_dtype(q.dtype)
+    o = causal_softmax(q.to(cdt), k.to(cdt), v.to(cdt), scale).to(q.dtype)
+    if not output_final_state:
+        return o, None
+    B, _, Hkv, N, d, dv = dims
+    seg = prepare_segment(k, v, n_sink, window, None)
+    return o, _final_state(seg, q.new_zeros(B, Hkv, feature_dim(d), dv + 1, dtype=cdt), N)
 
 
 def _log_mass(beta: torch.Tensor, den: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
