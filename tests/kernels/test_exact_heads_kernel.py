@@ -117,7 +117,8 @@ def test_a_call_outside_a_prompt_leaves_its_initial_state_as_it_was():
     _, s1 = m(q[:, :, 40:], k[:, :, 40:], v[:, :, 40:], initial_state=state, output_final_state=True)
     q2, k2, v2 = make_qkv(1, 6, 3, 20, d, seed=5)
     _, s2 = m(q2, k2, v2, initial_state=state, output_final_state=True)
-    assert torch.equal(state.k, before) and s1.k.data_ptr() != s2.k.data_ptr()
+    # bit for bit: the room past the 40 keys is uninitialised memory, which may hold NaN patterns
+    assert torch.equal(state.k.view(torch.int64), before.view(torch.int64)) and s1.k.data_ptr() != s2.k.data_ptr()
     assert torch.equal(s1.k[:, :, 40:60], k[:, [0, 2], 40:]) and torch.equal(s2.k[:, :, 40:60], k2[:, [0, 2]])
 
 

@@ -281,7 +281,8 @@ def _step_in_layer(kernel, q, k, v, state, past: int, keep: bool, layer_idx: int
         return _new_tokens(kernel, q, k, v, state, past, keep, layer_idx, model_dtype)
     prepare_decode(kernel, q, k, v)
     o, state = _new_tokens(kernel, q, k, v, state, past, keep, layer_idx, model_dtype)
-    prepare_decode(kernel, q, k, v, state)  # the state's own constants too, unless the prompt kept its keys
+    if state is not None and kept_form.kept_of(state) is None:
+        prepare_decode(kernel, q, k, v, state)  # the state's own constants too (a kept form's steps need none)
     return o, state
 
 
