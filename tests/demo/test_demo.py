@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import patch
@@ -57,6 +58,7 @@ def test_demo_report_and_resume(models, tmp_path):
         decode_lengths=(32, 96),
         decode_steps=2,
         speed_rounds=3,
+        prefill_tokens=100,
         max_new_tokens=4,
         prompts=("Hello",),
         threads=1,
@@ -74,18 +76,18 @@ def test_demo_report_and_resume(models, tmp_path):
     # the converted model keeps a constant-size state in its converted layers: its cache grows less
     grow = {m: fast["96"][m]["cache_mb"] - fast["32"][m]["cache_mb"] for m in res}
     assert grow["converted"] < grow["original"]
-    for n in ("32", "96"):
+    for n, rounds in (("32", 4), ("96", 3)):  # 100 prefill tokens: 4 rounds of 32, 3 (speed_rounds) of 96
         point = fast[n]
         for m in res:
-            assert len(point[m]["prefill_rounds"]) == 3 and len(point[m]["step_ms"]) == 2
-            assert point[m]["prefill_s"] == sorted(point[m]["prefill_rounds"])[1]
+            assert len(point[m]["prefill_rounds"]) == rounds and len(point[m]["step_ms"]) == 2
+            assert point[m]["prefill_s"] == statistics.median(point[m]["prefill_rounds"])
         ratios = point["ratios"]["prefill_rounds"]
         assert ratios == [
             c / o
             for o, c in zip(point["original"]["prefill_rounds"], point["converted"]["prefill_rounds"], strict=True)
         ]
     assert "decode ms/token at 96 tokens (median of 2 steps, side by side)" in whats
-    assert any(w == "prefill s at 32 tokens (median of 3 rounds, side by side)" and "rounds" in r for w, *_, r in table)
+    assert any(w == "prefill s at 32 tokens (median of 4 rounds, side by side)" and "rounds" in r for w, *_, r in table)
     assert res["original"]["perplexity"]["wikitext-2 test"]["n_tokens"] == 2 * 63
     md = (out / "report.md").read_text()
     assert "| perplexity, wikitext-2 test (2 × 64 tokens) |" in md and "**Hello**" in md
@@ -112,6 +114,10 @@ def test_demo_report_and_resume(models, tmp_path):
     assert changed == {"original/passkey.json", "converted/passkey.json"}
     run_demo(out, DemoConfig(**{**config.__dict__, "trials": 3, "speed_rounds": 1}))
     assert json.loads((out / "speed.json").read_text())["key"]["rounds"] == 1
+    run_demo(out, DemoConfig(**{**config.__dict__, "trials": 3, "speed_rounds": 1, "prefill_tokens": 64}))
+    again = json.loads((out / "speed.json").read_text())
+    assert again["key"]["prefill_tokens"] == 64
+    assert [len(again["result"][n]["original"]["prefill_rounds"]) for n in ("32", "96")] == [2, 1]
 
 
 def test_speed_takes_models_in_turn(monkeypatch):
@@ -132,7 +138,7 @@ def test_speed_takes_models_in_turn(monkeypatch):
 
     monkeypatch.setattr("oal.models.KernelCache", lambda model: SimpleNamespace())
     monkeypatch.setattr("oal.models.state_cache.cache_nbytes", lambda cache: cache.seen * 2**20)
-    config = DemoConfig(decode_lengths=(20,), decode_steps=3, speed_rounds=3)
+    config = DemoConfig(decode_lengths=(20,), decode_steps=3, speed_rounds=3, prefill_tokens=20)
     out = speed({"a": Recorder("a"), "b": Recorder("b")}, config, progress=False)
     prefills = [name for name, n in calls if n > 1]
     # one untimed prompt per model, then the timed rounds
@@ -153,5 +159,14 @@ def test_bad_config_is_refused():
         DemoConfig(trials=0)
     with pytest.raises(ValueError, match="speed_rounds: expected a positive integer"):
         DemoConfig(speed_rounds=0)
+    with pytest.raises(ValueError, match="prefill_tokens: expected a positive integer"):
+        DemoConfig(prefill_tokens=-8)
     with pytest.raises(ValueError, match="decode_lengths: expected context lengths"):
         DemoConfig(decode_lengths=())
+
+
+def test_prefill_rounds_cover_the_prefill_tokens():
+    """The defaults: 8 rounds at 1k (one prompt's time swings most there), speed_rounds at 4k and 8k."""
+    config = DemoConfig()
+    assert [config.prefill_rounds(n) for n in (1024, 1000, 4096, 8192)] == [8, 9, 3, 3]
+    assert DemoConfig(speed_rounds=5, prefill_tokens=100).prefill_rounds(30) == 5

@@ -122,6 +122,7 @@ CASES = [
     ("demo-wrong-data", with_(demo, "--data-dir", lambda w: w["missing"]), "--data-dir"),
     ("demo-zero-trials", with_(demo, "--trials", "0"), "--trials"),
     ("demo-zero-rounds", with_(demo, "--speed-rounds", "0"), "--speed-rounds"),
+    ("demo-zero-prefill-tokens", with_(demo, "--prefill-tokens", "0"), "--prefill-tokens"),
     ("demo-bad-lengths", with_(demo, "--decode-lengths", "8,x"), "--decode-lengths"),
     ("demo-short-lengths", with_(demo, "--passkey-lengths", "8"), "--passkey-lengths"),
     # analyze

@@ -52,7 +52,10 @@ def register(app: typer.Typer) -> None:
         trials: int = typer.Option(None, help="Override: passkey prompts per length."),
         passkey_lengths: str = typer.Option(None, help="Override: passkey context lengths, e.g. 1024,4096."),
         decode_lengths: str = typer.Option(None, help="Override: decode context lengths, e.g. 1024,8192."),
-        speed_rounds: int = typer.Option(None, help="Override: prefill rounds per context, models in turn."),
+        speed_rounds: int = typer.Option(None, help="Override: prefill rounds per context at least, models in turn."),
+        prefill_tokens: int = typer.Option(
+            None, help="Override: tokens each model prefills per context in all (more rounds at short contexts)."
+        ),
         threads: int = typer.Option(2, help="torch CPU threads."),
         data_dir: Path = typer.Option(None, help="Data directory (default: $OAL_DATA_DIR)."),
     ) -> None:
@@ -76,6 +79,8 @@ def register(app: typer.Typer) -> None:
             kw["decode_lengths"] = _ints(decode_lengths, "--decode-lengths")
         if speed_rounds is not None:
             kw["speed_rounds"] = speed_rounds
+        if prefill_tokens is not None:
+            kw["prefill_tokens"] = prefill_tokens
         try:
             config = DemoConfig.gpu(**kw) if preset == "gpu" else DemoConfig(**kw)
         except ValueError as e:

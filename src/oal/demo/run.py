@@ -10,8 +10,9 @@ Per model (loaded once, in this process, ``threads`` torch threads):
 
 Then speed, with both models loaded in this process and measured side by side (:func:`speed`; this machine's speed
 swings ±30 % between minutes, so figures taken minutes apart do not compare): after one untimed prompt per model
-(the shortest context), at each of ``decode_lengths`` ``speed_rounds`` rounds of one timed prefill of ``n`` seeded
-random tokens into a fresh cache per model (the order reversed every round), then from the last round's caches 2
+(the shortest context), at each of ``decode_lengths`` rounds of one timed prefill of ``n`` seeded random tokens into a
+fresh cache per model (the order reversed every round; ``speed_rounds`` rounds, more at short contexts so that each
+model prefills ``prefill_tokens`` tokens in all: :meth:`DemoConfig.prefill_rounds`), then from the last round's caches 2
 untimed and ``decode_steps`` timed greedy steps per model taken in turn (the order reversed every step), and the
 caches' bytes.
 
@@ -49,7 +50,9 @@ MB = 2**20
 @dataclass(frozen=True)
 class DemoConfig:
     """What the demo measures (the defaults take about 11 minutes on the 2-core CPU, 3 of them the side-by-side
-    prefill rounds at 8k; ``gpu()`` for a GPU)."""
+    prefill rounds at 8k; ``gpu()`` for a GPU). ``speed_rounds``: prefill rounds per context at least;
+    ``prefill_tokens``: the tokens each model prefills per context in all, for more rounds at short contexts
+    (:meth:`prefill_rounds`)."""
 
     original: str = "smollm2-135m"
     converted: str = "docs/results/conversion/model"
@@ -60,6 +63,7 @@ class DemoConfig:
     decode_lengths: tuple[int, ...] = (1024, 8192)
     decode_steps: int = 32
     speed_rounds: int = 3
+    prefill_tokens: int = 8192
     max_new_tokens: int = 40
     prompts: tuple[str, ...] = PROMPTS
     threads: int = 2
@@ -69,7 +73,8 @@ class DemoConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("block_len", "ppl_blocks", "trials", "decode_steps", "speed_rounds", "max_new_tokens", "threads"):
+        positive = ("block_len", "ppl_blocks", "trials", "decode_steps", "speed_rounds", "prefill_tokens")
+        for name in (*positive, "max_new_tokens", "threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -77,6 +82,12 @@ class DemoConfig:
             value = getattr(self, name)
             if not value or any(isinstance(n, bool) or not isinstance(n, int) or n < 16 for n in value):
                 raise ValueError(f"{name}: expected context lengths (ints >= 16), got {value!r}")
+
+    def prefill_rounds(self, n: int) -> int:
+        """Prefill rounds at context ``n``: ``speed_rounds``, or as many as ``prefill_tokens`` tokens take where that
+        is more (a 1k prompt's time swings most: 8 rounds at 1k, 3 at 8k by default; one demo's 3 rounds at 1k
+        gave ratios 1.03–1.31 where benchmarks/prefill_ab.py's 6–8 gave medians 0.89–1.04 in five processes)."""
+        return max(self.speed_rounds, -(-self.prefill_tokens // n))
 
     @classmethod
     def gpu(cls, **kw) -> DemoConfig:
@@ -152,7 +163,7 @@ def _quartiles(values: list[float]) -> list[float]:
 def speed(models: dict[str, torch.nn.Module], config: DemoConfig, progress: bool = True) -> dict:
     """Prefill and decode of ``models`` (name → model, measured in this order first) side by side, after one
     untimed prompt of the shortest context per model, at each of ``config.decode_lengths``: per context, per model
-    ``prefill_s`` (the median of ``speed_rounds`` rounds, the order of the models reversed every round;
+    ``prefill_s`` (the median of :meth:`DemoConfig.prefill_rounds` rounds, the order of the models reversed every round;
     ``prefill_rounds`` each), ``ms_per_token`` (the median of ``decode_steps`` greedy steps from the last round's
     cache, the models taken in turn and the order reversed every step, after 2 untimed steps each; ``step_ms``
     each) and ``cache_mb``; with two models, ``ratios``: the second's over the first's prefill per round and decode
@@ -172,7 +183,8 @@ def speed(models: dict[str, torch.nn.Module], config: DemoConfig, progress: bool
     out = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, disable=not progress) as bar:
-        task = bar.add_task("speed", total=len(config.decode_lengths) * config.speed_rounds * len(names))
+        total = sum(config.prefill_rounds(n) for n in config.decode_lengths) * len(names)
+        task = bar.add_task("speed", total=total)
         # an untimed prompt per model first: a process's first prompt pages the weights in and loads the kernels
         warm = torch.randint(vocab, (1, min(config.decode_lengths)), generator=torch.Generator().manual_seed(0))
         for name in names:
@@ -184,7 +196,7 @@ def speed(models: dict[str, torch.nn.Module], config: DemoConfig, progress: bool
             ids = torch.randint(vocab, (1, n), generator=gen).to(device)
             prefill: dict[str, list[float]] = {name: [] for name in names}
             state: dict[str, tuple] = {}
-            for r in range(config.speed_rounds):
+            for r in range(config.prefill_rounds(n)):
                 for name in names if r % 2 == 0 else names[::-1]:
                     bar.update(task, description=f"prefill {n} tokens, {name}, round {r + 1}")
                     state.pop(name, None)
@@ -285,6 +297,7 @@ def run_demo(out: str | Path, config: DemoConfig = DemoConfig()) -> dict:
         "lengths": list(config.decode_lengths),
         "steps": config.decode_steps,
         "rounds": config.speed_rounds,
+        "prefill_tokens": config.prefill_tokens,
         "warm_up_tokens": min(config.decode_lengths),
         "threads": config.threads,
         "seed": config.seed,
