@@ -62,21 +62,15 @@ def summarize(runs: dict[tuple[str, int], list[tuple[float, float]]], models: li
                 "step_ms": round(statistics.median(r[1] for r in rs), 2),
             }
         )
+    from prefill_ab import ratios
+
     first, second = models
     for n in sizes:
         a, b = runs[first, n], runs[second, n]
-        rows.append(
-            {
-                "ratio": f"{first} / {second}",
-                "n": n,
-                "first_token_speedup": round(
-                    statistics.median(x[0] for x in a) / statistics.median(y[0] for y in b), 3
-                ),
-                "step_speedup": round(statistics.median(x[1] for x in a) / statistics.median(y[1] for y in b), 3),
-                "first_token_rounds": [round(x[0] / y[0], 3) for x, y in zip(a, b, strict=True)],
-                "step_rounds": [round(x[1] / y[1], 3) for x, y in zip(a, b, strict=True)],
-            }
-        )
+        row = {"ratio": f"{first} / {second}", "n": n}
+        for i, prefix in enumerate(("first_token_", "step_")):
+            row |= ratios([x[i] for x in a], [y[i] for y in b], prefix)
+        rows.append(row)
     return rows
 
 

@@ -39,16 +39,17 @@ def summarize(times: dict[tuple[str, int], list[float]], models: list[str], size
         )
     first, second = models
     for n in sizes:
-        a, b = times[first, n], times[second, n]
-        rows.append(
-            {
-                "ratio": f"{first} / {second}",
-                "n": n,
-                "speedup": round(statistics.median(a) / statistics.median(b), 3),
-                "rounds": [round(x / y, 3) for x, y in zip(a, b, strict=True)],
-            }
-        )
+        rows.append({"ratio": f"{first} / {second}", "n": n, **ratios(times[first, n], times[second, n])})
     return rows
+
+
+def ratios(a: list[float], b: list[float], prefix: str = "") -> dict[str, object]:
+    """``{prefix}speedup``: the median of ``a`` over the median of ``b``; ``{prefix}rounds``: each round's own
+    quotient (``a`` and ``b`` one value per round, in round order)."""
+    return {
+        f"{prefix}speedup": round(statistics.median(a) / statistics.median(b), 3),
+        f"{prefix}rounds": [round(x / y, 3) for x, y in zip(a, b, strict=True)],
+    }
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -16,6 +17,8 @@ def load_benchmark():
     """A loader: ``load_benchmark(name)`` imports the script ``benchmarks/<name>.py`` as a module (``main`` not run)."""
 
     def load(name: str) -> ModuleType:
+        if str(BENCHMARKS) not in sys.path:  # the scripts import each other, run from benchmarks/
+            sys.path.insert(0, str(BENCHMARKS))
         spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

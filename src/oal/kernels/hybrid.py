@@ -24,7 +24,7 @@ from ..ops import page_select
 from ..ops.quadratic import cpu as cpu_kernels
 from ..ops.quadratic.utils import check_qkv
 from ..ops.sink_window import sink_window_attention
-from ..ops.sink_window.utils import exact_segment
+from ..ops.sink_window.utils import all_exact, exact_segment
 from ..ops.softmax.chunk import rows_contiguous, softmax_at_end
 from .base import (
     AttentionKernel,
@@ -397,10 +397,10 @@ class ExactHeadsKernel(AttentionKernel):
                 initial_state=initial_state,
                 output_final_state=output_final_state,
             )
-        beta = self.inner.beta.index_select(0, hq.to(self.inner.beta.device))
-        if mode == "chunk" and self.inner.exact_prompt(q.shape[2], initial_state, beta):
-            dims = check_qkv(q, k, v)
-            return exact_segment(q, k, v, dims, self.inner.n_sink, self.inner.window, self.scale, output_final_state)
+        sw = self.inner
+        beta = sw.beta.index_select(0, hq.to(sw.beta.device))
+        if mode == "chunk" and all_exact(q.shape[2], sw.n_sink, sw.window, initial_state, beta):
+            return exact_segment(q, k, v, check_qkv(q, k, v), sw.n_sink, sw.window, self.scale, output_final_state)
         a, b, C = oal_coefficients(groups, L, oal.eps)
         return sink_window_attention(
             q,
@@ -410,8 +410,8 @@ class ExactHeadsKernel(AttentionKernel):
             b,
             C,
             beta,
-            n_sink=self.inner.n_sink,
-            window=self.inner.window,
+            n_sink=sw.n_sink,
+            window=sw.window,
             scale=self.scale,
             mode=mode,
             chunk_size=chunk_size,

@@ -125,7 +125,7 @@ class SinkWindowKernel(AttentionKernel):
         output_final_state: bool = False,
         chunk_size: int = 64,
     ) -> tuple[torch.Tensor, SinkWindowState | None]:
-        if mode == "chunk" and self.exact_prompt(q.shape[2], initial_state, self.beta):
+        if mode == "chunk" and all_exact(q.shape[2], self.n_sink, self.window, initial_state, self.beta):
             return exact_segment(q, k, v, check_qkv(q, k, v), self.n_sink, self.window, self.scale, output_final_state)
         inner = self.inner
         a, b, C = oal_coefficients(inner.groups, inner.L, inner.eps)
@@ -147,15 +147,6 @@ class SinkWindowKernel(AttentionKernel):
             output_final_state=output_final_state,
             factor=factor,
             kernel_floor=inner.eps,
-        )
-
-    def exact_prompt(self, n: int, initial_state: SinkWindowState | None, beta: torch.Tensor) -> bool:
-        """Whether ``n`` new tokens after ``initial_state`` are causal softmax, which the chunk mode then computes
-        without the inner kernel's coefficients (:func:`~oal.ops.sink_window.utils.all_exact`: a fresh segment of at
-        most ``n_sink + window`` tokens; short prompts). Not where ``beta`` (the β in use) records a gradient: the
-        blockwise evaluation gives it a zero gradient, which a training loop may count on."""
-        return all_exact(n, self.n_sink, self.window, initial_state) and not (
-            torch.is_grad_enabled() and beta.requires_grad
         )
 
     @torch.no_grad()

@@ -161,10 +161,8 @@ def evaluate(
 ) -> tuple[torch.Tensor, SinkWindowState | None]:
     """One segment: the kernel part through the quadratic operator (``kernel_mode``), then the exact part and
     the combination for blocks of ``block`` queries. Inputs are validated by the caller. A fresh segment in chunk mode
-    that no kernel key reaches (:func:`all_exact`) is causal softmax (:func:`exact_segment`), unless β needs its
-    gradient (zero there, but recorded)."""
-    beta_grad = torch.is_grad_enabled() and beta.requires_grad
-    if kernel_mode == "chunk" and all_exact(dims.N, n_sink, window, initial_state) and not beta_grad:
+    that no kernel key reaches (:func:`all_exact`) is causal softmax (:func:`exact_segment`)."""
+    if kernel_mode == "chunk" and all_exact(dims.N, n_sink, window, initial_state, beta):
         return exact_segment(q, k, v, dims, n_sink, window, scale, output_final_state)
     B, Hq, Hkv, N, d, dv = dims
     G = dims.group
@@ -291,12 +289,17 @@ def _final_state(seg: Segment, kernel_state: torch.Tensor, N: int) -> SinkWindow
     )
 
 
-def all_exact(n: int, n_sink: int, window: int, initial_state: SinkWindowState | None) -> bool:
+def all_exact(
+    n: int, n_sink: int, window: int, initial_state: SinkWindowState | None, beta: torch.Tensor | None = None
+) -> bool:
     """Whether a segment of ``n ≥ 1`` tokens has no kernel key for any query because it starts the sequence (no
     ``initial_state``) and ends before position ``n_sink + window``: ``K_i = {n_sink ≤ j ≤ i - w}`` is empty for
     every ``i < n_sink + w``, and ``E_i`` is then every key up to i. The operator is causal softmax there (β, the
-    kernel and its coefficients drop out), which :func:`exact_segment` evaluates."""
-    return initial_state is None and 0 < n <= n_sink + window
+    kernel and its coefficients drop out), which :func:`exact_segment` evaluates — the chunk mode, and the
+    sink/window and exact-heads kernels without computing their coefficients. False where ``beta`` (the β in use)
+    records a gradient: the blockwise evaluation gives it a zero gradient, which a training loop may count on."""
+    beta_grad = beta is not None and torch.is_grad_enabled() and beta.requires_grad
+    return initial_state is None and 0 < n <= n_sink + window and not beta_grad
 
 
 def exact_segment(
