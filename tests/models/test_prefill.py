@@ -414,7 +414,8 @@ def test_a_prompt_releases_the_freed_heap_before_each_later_chunk_and_the_output
     model.config.oal_release_prompt_heap = True
     events, grew = release_calls(model, monkeypatch), []
     take = kept.take_regrown
-    monkeypatch.setattr(kept, "take_regrown", lambda: grew.append(take()) or grew[-1])
+    monkeypatch.setattr(kept, "take_regrown", lambda *at_least: grew.append(take(*at_least)) or grew[-1])
+    monkeypatch.setattr(kept, "STEP_RELEASE_BYTES", 1)  # a step releases whatever it regrew
     (got, *got_steps), _ = run(model, ids, chunk, steps=steps, logits_to_keep=1)
     # before each chunk after the first and before the prompt's output layer; then after each decode step that grew
     # a buffer, and only after those (the layers' spare slots after the prompt differ, so they grow at different
@@ -480,16 +481,18 @@ def test_release_returns_freed_heap_to_the_system():
 
 @pytest.mark.parametrize("release", [True, False])
 def test_a_decode_step_that_grew_a_cache_buffer_releases_after_it(make_model, monkeypatch, release):
-    """A decode step in which the cache replaced a buffer by a larger one (here the exact heads' and softmax
-    layers' buffers, full after the prompt, and every GROWTH tokens) returns the freed heap after its output
-    layer; the other steps do not, nor any step when the release is off, nor a call under autograd."""
+    """With a threshold of 1 byte, a decode step in which the cache replaced a buffer by a larger one (here the
+    exact heads' and softmax layers' buffers, full after the prompt, and every GROWTH tokens) returns the freed heap
+    after its output layer; the other steps do not, nor any step when the release is off, nor a call under
+    autograd."""
     from oal.kernels import kept as kept_form
 
     model = model_of(make_model, "sink_window_exact_heads")
     model.config.oal_release_prompt_heap = release
     events = release_calls(model, monkeypatch)
     real = kept_form.note_regrown
-    monkeypatch.setattr(kept_form, "note_regrown", lambda: events.append("grew") or real())
+    monkeypatch.setattr(kept_form, "note_regrown", lambda nbytes: events.append("grew") or real(nbytes))
+    monkeypatch.setattr(kept_form, "STEP_RELEASE_BYTES", 1)  # a step releases whatever it regrew
     cache = KernelCache(model)
     with torch.no_grad():
         nxt = model(prompt(1, 20), cache=cache).logits[:, -1:].argmax(-1)  # below the prompt threshold
@@ -508,6 +511,50 @@ def test_a_decode_step_that_grew_a_cache_buffer_releases_after_it(make_model, mo
         events.clear()
         model(prompt(1, 4))
     assert "release" not in events
+
+
+def test_a_decode_step_releases_once_the_regrown_bytes_reach_the_threshold(make_model, monkeypatch):
+    """The steps' releases wait until the buffers replaced since the last one held ``STEP_RELEASE_BYTES``: each
+    comes after the step whose regrown bytes reach it, the count then starts again, and the outputs are those of
+    a release after every regrowing step."""
+    from oal.kernels import kept as kept_form
+
+    model = model_of(make_model, "sink_window_exact_heads")
+    model.config.oal_prefill_chunk = 0
+    ids = prompt(1, 20)  # below the prompt threshold: no release before the output layer
+    freed, events = [], release_calls(model, monkeypatch)
+    real = kept_form.note_regrown
+    monkeypatch.setattr(kept_form, "note_regrown", lambda nbytes: freed.append(nbytes) or real(nbytes))
+
+    def decode(threshold: int, count: int = 140) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+        """Each step's logits and (bytes regrown, releases) after the prompt, under ``threshold``."""
+        monkeypatch.setattr(kept_form, "STEP_RELEASE_BYTES", threshold)
+        kept_form.take_regrown()  # nothing carried over from an earlier run
+        cache, logits, per_step = KernelCache(model), [], []
+        with torch.no_grad():
+            nxt = model(ids, cache=cache).logits[:, -1:].argmax(-1)
+            for _ in range(count):
+                start, n_freed = len(events), len(freed)
+                out = model(nxt, cache=cache)
+                logits.append(out.logits)
+                nxt = out.logits[:, -1:].argmax(-1)
+                per_step.append((sum(freed[n_freed:]), events[start:].count("release")))
+        return logits, per_step
+
+    want, every = decode(1)
+    assert all(r == int(nbytes > 0) for nbytes, r in every)
+    threshold = max(nbytes for nbytes, _ in every) + 1  # no single step reaches it
+    got, per_step = decode(threshold)
+    assert [nbytes for nbytes, _ in per_step] == [nbytes for nbytes, _ in every]
+    expected, pending = [], 0
+    for nbytes, _ in per_step:
+        pending += nbytes
+        expected.append(int(pending >= threshold))
+        pending = 0 if pending >= threshold else pending
+    assert [r for _, r in per_step] == expected
+    assert 0 < sum(expected) < sum(1 for nbytes, _ in every if nbytes)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("keep_keys", [True, False])

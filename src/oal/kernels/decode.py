@@ -166,7 +166,7 @@ def _grown(x: torch.Tensor, used: int) -> torch.Tensor:
     has it, else a copy of its first ``used`` slots in a buffer of ``used + GROWTH`` slots."""
     if x.shape[2] > used and x.is_contiguous():
         return x
-    kept_form.note_regrown()
+    kept_form.note_regrown(x.nbytes)
     out = x.new_empty(x.shape[0], x.shape[1], used + GROWTH, *x.shape[3:])
     out[:, :, :used] = x[:, :, :used]
     return out

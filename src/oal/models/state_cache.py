@@ -271,8 +271,9 @@ class ExactKVLayer(DynamicLayer):
             # amid the chunk's freed activations
             with model_layer(self.layer_idx):
                 capacity = context_end(used + n) + GROWTH if used else prompt_room(n)
-            if used:
-                kept_form.note_regrown()
+            if used:  # the buffers replaced: its own, or the tensors a DynamicLayer left (taken over)
+                old = (self._kbuf, self._vbuf) if self._kbuf is not None else (self.keys, self.values)
+                kept_form.note_regrown(sum(t.nbytes for t in old if isinstance(t, torch.Tensor)))
             with reserved_buffers(self.reserve):
                 kbuf = cache_empty(key_states, *key_states.shape[:2], capacity, key_states.shape[3])
                 vbuf = cache_empty(value_states, *value_states.shape[:2], capacity, value_states.shape[3])
