@@ -1,5 +1,6 @@
 """Stop 56: VmHWM, VmRSS and glibc's heap (mallinfo2) after the imports, the model's build, a 64-token prompt and 2
-decode steps, one model per process. From the root: python docs/results/bench/model/stop56/scratch/load_stages.py recipe
+decode steps, one model per process. From the root: [MIN_TOKENS=1] python docs/results/bench/model/stop56/scratch/load_stages.py recipe
+(MIN_TOKENS: oal.models.prefill.RELEASE_MIN_TOKENS patched, 1: a 64-token prompt releases the freed heap too)
 """
 import ctypes, json, sys, torch
 sys.path.insert(0, "benchmarks")
@@ -12,6 +13,8 @@ def st(label):
     return {"at": label, "hwm": int(d["VmHWM"].split()[0]) / 1024, "rss": int(d["VmRSS"].split()[0]) / 1024, "arena": round(m.arena / 2**20, 1), "live": round(m.uordblks / 2**20, 1), "free": round(m.fordblks / 2**20, 1), "mmap": round(m.hblkhd / 2**20, 1)}
 from prefill_peak import build
 from oal.models import KernelCache
+import os, oal.models.prefill as _pf
+if os.environ.get("MIN_TOKENS"): _pf.RELEASE_MIN_TOKENS = int(os.environ["MIN_TOKENS"])
 torch.set_num_threads(2)
 name = sys.argv[1]
 out = [st("import")]
